@@ -1,0 +1,34 @@
+"""memvault: an agent's conversation history, encrypted at rest, key in the OS keyring.
+
+    import vault
+    session = vault.open_session("my-chat")          # instead of SQLiteSession(...)
+    await Runner.run(agent, "hello", session=session)
+
+Importing this package is cheap: the Agents SDK is imported only when a session
+is opened.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .errors import VaultError
+from .store import Vault
+
+if TYPE_CHECKING:
+    from .session import VaultSession
+
+__all__ = ["Vault", "VaultError", "open_session", "__version__"]
+__version__ = "0.1.0"
+
+
+def open_session(session_id: str, db_path: str | os.PathLike[str] | None = None) -> VaultSession:
+    """An `EncryptedSession` over `SQLiteSession` on the vault file, TTL from the vault.
+
+    The vault must exist (`memvault init`); its key comes from the OS keyring and
+    is checked against the file before anything is read or written.
+    """
+    from .session import make_session
+
+    return make_session(Vault.open(db_path), session_id)

@@ -1,0 +1,572 @@
+"""The `memvault` command: parse arguments, call the library, print.
+
+Logic lives in `vault.store`; this module only formats. `main` is the single
+place that maps a `VaultError` (or a Click usage error) to one line on stderr
+and its exit code. The Agents SDK is imported only by `demo` and `chat`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import click
+
+from . import __version__, crypto
+from .errors import EXIT_FAILED, VaultBusy, VaultError
+from .store import DEFAULT_TTL, Progress, Vault, shred
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# ----------------------------------------------------------------------------
+# Shared options: --db and --json work before or after the command name.
+# ----------------------------------------------------------------------------
+class State:
+    def __init__(self) -> None:
+        self.db: str | None = None
+        self.json = False
+
+
+def _remember_db(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.ensure_object(State).db = value
+
+
+def _remember_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.ensure_object(State).json = True
+
+
+def common(fn: F) -> F:
+    fn = click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        expose_value=False,
+        callback=_remember_json,
+        help="Print one JSON document on stdout.",
+    )(fn)
+    fn = click.option(
+        "--db",
+        metavar="PATH",
+        expose_value=False,
+        callback=_remember_db,
+        help="Vault file (default: $MEMVAULT_DB, else the platformdirs data folder).",
+    )(fn)
+    return fn
+
+
+def state() -> State:
+    return click.get_current_context().ensure_object(State)
+
+
+def open_vault() -> Vault:
+    return Vault.open(state().db)
+
+
+def emit(data: Any, human: Callable[[], None]) -> None:
+    """JSON on stdout with --json, else the human rendering."""
+    if state().json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        human()
+
+
+def confirm(question: str, yes: bool) -> None:
+    if not yes:
+        click.confirm(question, abort=True, err=True)
+
+
+@contextmanager
+def progress(length: int, label: str) -> Iterator[Progress | None]:
+    """A progress bar on a terminal; silence (and no cost) otherwise."""
+    if not sys.stderr.isatty() or length <= 0:
+        yield None
+        return
+    with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+def warn_scrub(vault: Vault) -> None:
+    if vault.scrub_incomplete:
+        click.echo(
+            "warning: scrub incomplete: another process holds a read transaction, so replaced "
+            "bytes may remain in the WAL until the next memvault command finishes the scrub",
+            err=True,
+        )
+
+
+def duration(_ctx: click.Context | None, _param: click.Parameter | None, value: str | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return ("set", crypto.parse_duration(value))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+# ----------------------------------------------------------------------------
+# The group and the error mapping
+# ----------------------------------------------------------------------------
+class VaultGroup(click.Group):
+    """Turns every failure into one line on stderr and its documented exit code."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        standalone = kwargs.pop("standalone_mode", True)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.UsageError as exc:
+            hint = ""
+            if exc.ctx is not None:
+                hint = f"; see `{exc.ctx.command_path} --help`"
+            _fail(f"{_one_line(exc.format_message())}{hint}", exc.exit_code)
+        except click.exceptions.Abort:
+            _fail("aborted; nothing was changed (pass --yes to skip the question)", EXIT_FAILED)
+        except click.exceptions.ClickException as exc:
+            _fail(_one_line(exc.format_message()), exc.exit_code)
+        except VaultError as exc:
+            _fail(_one_line(exc.message), exc.exit_code)
+        except KeyboardInterrupt:
+            _fail("interrupted; the last committed state is intact", 130)
+        except BrokenPipeError:
+            sys.stderr.close()
+            sys.exit(EXIT_FAILED)
+        except Exception as exc:  # a bug: still one line, never a traceback or a secret
+            if os.environ.get("MEMVAULT_DEBUG"):
+                raise
+            _fail(
+                f"unexpected error ({type(exc).__name__}); nothing further was changed; "
+                "rerun with MEMVAULT_DEBUG=1 and report it",
+                EXIT_FAILED,
+            )
+        code = rv if isinstance(rv, int) else 0
+        if standalone:
+            sys.exit(code)
+        return code
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"memvault: error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=VaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="memvault")
+@common
+def cli() -> None:
+    """Encrypted-at-rest history for OpenAI Agents SDK sessions.
+
+    The vault is a SQLite file whose items are sealed with Fernet under a random
+    master key kept in the OS keyring, never beside the file.
+
+    \b
+    Example:
+      memvault init --ttl 30d
+      python -c 'import vault; s = vault.open_session("chat-1")'
+      memvault status
+    """
+
+
+def main() -> None:
+    cli.main(prog_name="memvault")
+
+
+# ----------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------
+@cli.command()
+@click.option(
+    "--ttl",
+    "ttl",
+    callback=duration,
+    metavar="DURATION",
+    help="How long items stay readable: 90s, 15m, 12h, 30d, 2w, seconds, or never (default 30d).",
+)
+@common
+def init(ttl: Any) -> None:
+    """Create the vault file and its random key in the OS keyring.
+
+    Refuses, changing nothing, if a vault (or any file) is already there.
+
+    \b
+    Example:
+      memvault init --ttl 7d
+    """
+    seconds = DEFAULT_TTL if ttl is None else ttl[1]
+    vault = Vault.init(state().db, ttl=seconds)
+    meta = vault.meta()
+    data = {
+        "path": str(vault.path),
+        "vault_id": meta["vault_id"],
+        "kid": meta["kid"],
+        "ttl": crypto.format_duration(seconds),
+        "keyring": vault.keystore.name,
+    }
+    emit(
+        data,
+        lambda: click.echo(
+            f"created vault {data['path']}\n  key id  {data['kid']} (key stored in {data['keyring']})"
+            f"\n  ttl     {data['ttl']}"
+        ),
+    )
+
+
+@cli.command()
+@common
+def status() -> None:
+    """Path, size, permissions, keyring, key state, TTL and item counts.
+
+    \b
+    Example:
+      memvault status --json
+    """
+    st = open_vault().status()
+
+    def human() -> None:
+        click.echo(f"vault      {st['path']}  ({st['size']} bytes)")
+        click.echo(f"folder     mode {st['folder_mode']}")
+        for name, f in st["files"].items():
+            click.echo(f"  {name:<20} {f['size']:>10} bytes  mode {f['mode']}")
+        click.echo(f"keyring    {st['keyring']}")
+        key = st["key"] + (f": {st['key_problem']}" if st.get("key_problem") else "")
+        click.echo(f"key        {key}")
+        click.echo(f"key id     {st['kid']}")
+        click.echo(f"ttl        {st['ttl']}")
+        counts = f"{st['items']} items in {st['sessions']} sessions"
+        if "readable" in st:
+            counts += (
+                f" ({st['readable']} readable, {st['expired']} expired, "
+                f"{st['unreadable']} unreadable)"
+            )
+        click.echo(f"contents   {counts}")
+        click.echo(f"rotated    {st['rotated_at']}")
+        if st["scrub_pending"]:
+            click.echo("scrub      pending (old bytes may remain until the next command)")
+
+    emit(st, human)
+
+
+@cli.command()
+@common
+def sessions() -> None:
+    """One row per session: id, items, expired, unreadable, last update.
+
+    \b
+    Example:
+      memvault sessions
+    """
+    rows = [s.as_dict() for s in open_vault().sessions()]
+
+    def human() -> None:
+        if not rows:
+            click.echo("no sessions")
+            return
+        click.echo(f"{'SESSION':<30} {'ITEMS':>6} {'EXPIRED':>8} {'UNREADABLE':>10}  UPDATED")
+        for r in rows:
+            click.echo(
+                f"{r['session_id']:<30} {r['items']:>6} {r['expired']:>8} "
+                f"{r['unreadable']:>10}  {r['updated_at'] or '-'}"
+            )
+
+    emit(rows, human)
+
+
+def _item_text(item: Any) -> str:
+    if isinstance(item, dict):
+        role = item.get("role") or item.get("type") or "item"
+        content = item.get("content")
+        if isinstance(content, str):
+            return f"{role}: {content}"
+        if isinstance(content, list):
+            parts = [c.get("text", "") for c in content if isinstance(c, dict)]
+            if any(parts):
+                return f"{role}: {' '.join(p for p in parts if p)}"
+        return f"{role}: {json.dumps(item, ensure_ascii=False)}"
+    return json.dumps(item, ensure_ascii=False)
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Only the newest N items.")
+@common
+def show(session_id: str, limit: int | None) -> None:
+    """Print the decrypted items of SESSION, oldest first.
+
+    \b
+    Example:
+      memvault show carnet-local --limit 10
+    """
+    items, expired, unreadable = open_vault().items(session_id, limit)
+    emit(
+        {"session_id": session_id, "items": items, "expired": expired, "unreadable": unreadable},
+        lambda: [click.echo(f"[{i}] {_item_text(it)}") for i, it in enumerate(items, 1)],
+    )
+    if unreadable:
+        raise VaultError(
+            f"{unreadable} item(s) of session {session_id!r} failed authentication (tampered, "
+            "corrupt or sealed with another key) and were not shown; nothing was changed"
+        )
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION")
+@click.option(
+    "-n",
+    "count",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="How many of the newest items to remove.",
+)
+@common
+def pop(session_id: str, count: int) -> None:
+    """Remove the newest N items of SESSION (to undo a turn, pop 2).
+
+    \b
+    Example:
+      memvault pop carnet-local -n 2
+    """
+    vault = open_vault()
+    popped = vault.pop(session_id, count)
+    emit(
+        {"session_id": session_id, "popped": popped},
+        lambda: click.echo(f"removed {len(popped)} item(s) from {session_id}"),
+    )
+    warn_scrub(vault)
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def clear(session_id: str, yes: bool) -> None:
+    """Empty SESSION; other sessions in the file are untouched.
+
+    \b
+    Example:
+      memvault clear carnet-local --yes
+    """
+    vault = open_vault()
+    vault.sealer()  # fail on the key before asking anything
+    confirm(f"Delete every item of session {session_id!r}?", yes)
+    n = vault.clear(session_id)
+    emit(
+        {"session_id": session_id, "deleted": n, "scrubbed": not vault.scrub_incomplete},
+        lambda: click.echo(f"cleared {session_id}: {n} item(s) deleted"),
+    )
+    warn_scrub(vault)
+
+
+@cli.command()
+@click.argument("value", required=False, callback=duration, metavar="[DURATION]")
+@common
+def ttl(value: Any) -> None:
+    """Print the vault's TTL, or set it (90s, 15m, 12h, 30d, 2w, seconds, never).
+
+    Items older than the TTL are skipped on read and removed by `purge`.
+
+    \b
+    Example:
+      memvault ttl 7d
+    """
+    vault = open_vault()
+    if value is not None:
+        vault.set_ttl(value[1])
+    text = crypto.format_duration(vault.ttl)
+    emit(
+        {"ttl": text, "ttl_seconds": vault.ttl},
+        lambda: click.echo(f"ttl {text}" + (" (set)" if value is not None else "")),
+    )
+
+
+@cli.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def purge(yes: bool) -> None:
+    """Physically delete items past the TTL (only items that authenticate).
+
+    \b
+    Example:
+      memvault purge --yes
+    """
+    vault = open_vault()
+    vault.sealer()
+    confirm("Delete every expired item for good?", yes)
+    with progress(_count(vault), "purging") as bar:
+        report = vault.purge(progress=bar)
+    emit(
+        {**report.counts, "scrubbed": report.scrubbed},
+        lambda: click.echo(
+            f"purged {report.counts['deleted']} expired item(s); kept {report.counts['kept']}"
+            + (
+                f"; {report.counts['unreadable']} unreadable left untouched"
+                if report.counts["unreadable"]
+                else ""
+            )
+        ),
+    )
+    warn_scrub(vault)
+
+
+def _count(vault: Vault) -> int:
+    return vault.count_items()
+
+
+@cli.command()
+@common
+def rotate() -> None:
+    """Replace the key: re-encrypt every item, keep timestamps, scrub old bytes.
+
+    Older recovery kits stop working after a rotation: export a new one.
+
+    \b
+    Example:
+      memvault rotate --json
+    """
+    vault = open_vault()
+    vault.sealer()
+    with progress(_count(vault), "rotating") as bar:
+        report = vault.rotate(progress=bar)
+    c = report.counts
+    emit(
+        c,
+        lambda: click.echo(
+            f"rotated {c['items']} item(s) in {c['sessions']} session(s) in {c['seconds']}s\n"
+            f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
+            f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
+            "  older recovery kits no longer match: run `memvault key export` again"
+        ),
+    )
+    if not report.scrubbed:
+        _scrub_busy()
+
+
+def _scrub_busy() -> None:
+    raise VaultBusy(
+        "the change is committed, but the scrub is incomplete: another process holds a read "
+        "transaction, so replaced ciphertext may remain in the WAL; the next memvault command "
+        "finishes it"
+    )
+
+
+@cli.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def revoke(yes: bool) -> None:
+    """Destroy the key. The file stays, unreadable for ever (cryptographic erase).
+
+    \b
+    Example:
+      memvault revoke --yes && memvault shred --yes
+    """
+    vault = open_vault()
+    confirm("Destroy the key? The history in this vault can never be read again", yes)
+    r = vault.revoke()
+    emit(
+        r,
+        lambda: click.echo(
+            f"revoked key {r['kid']} of vault {r['vault_id']}; the file stays, unreadable; "
+            "`memvault shred` removes it; recovery kits are useless now"
+        ),
+    )
+
+
+@cli.command("shred")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--receipt",
+    type=click.Path(dir_okay=False, writable=True),
+    metavar="FILE",
+    help="Write a JSON record of what was destroyed.",
+)
+@common
+def shred_cmd(yes: bool, receipt: str | None) -> None:
+    """Destroy the key, the rows and the files (database, -wal, -shm, -journal).
+
+    Works without the key. On SSDs and copy-on-write filesystems overwriting is
+    not a guarantee; destroying the key is (see SECURITY.md).
+
+    \b
+    Example:
+      memvault shred --yes --receipt shred-receipt.json
+    """
+    from .paths import resolve_db_path
+
+    path = resolve_db_path(state().db)
+    confirm(f"Destroy the vault {path}, its key and its files?", yes)
+    size = sum(p.stat().st_size for p in _present(path))
+    with progress(size, "overwriting") as bar:
+        r = shred(path, progress=bar)
+    if receipt:
+        _write_private(receipt, json.dumps(r, indent=2, sort_keys=True) + "\n")
+    emit(
+        r,
+        lambda: click.echo(
+            f"shredded {r['path']}: {r['items']} item(s) in {r['sessions']} session(s); key "
+            f"{'destroyed' if r.get('key_destroyed') else 'already gone'}; files "
+            + ", ".join(f"{f['name']} ({f['size']} bytes)" for f in r["files"])
+        ),
+    )
+
+
+def _present(path: Any) -> list[Any]:
+    from .paths import sidecars
+
+    return [p for p in sidecars(path) if p.exists()]
+
+
+def _write_private(target: str, text: str) -> None:
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise VaultError(f"cannot write {target} ({exc.strerror})") from None
+
+
+@cli.command()
+@common
+def log() -> None:
+    """The audit trail: key and lifecycle events with counts, never content.
+
+    \b
+    Example:
+      memvault log --json
+    """
+    rows = open_vault().audit_log()
+
+    def human() -> None:
+        for r in rows:
+            extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("at", "event", "kid"))
+            click.echo(f"{r['at']}  {r['event']:<10} {r['kid'] or '-':<22} {extra}")
+
+    emit(rows, human)
+
+
+@cli.command()
+@click.option("--keep", is_flag=True, help="Keep the throwaway vault folder for inspection.")
+@common
+def demo(keep: bool) -> None:
+    """Run the guide's four checks in a throwaway vault, each step its own process.
+
+    Uses the real model when OPENAI_API_KEY is set, else an offline stand-in
+    that can only answer from the history it is given.
+
+    \b
+    Example:
+      memvault demo
+    """
+    from .demo import run_demo
+
+    ok = run_demo(keep=keep, echo=click.echo)
+    if not ok:
+        raise VaultError("the demo found a failing check (see above)")

@@ -1,0 +1,241 @@
+"""Pure envelope cryptography: no I/O, no keyring, no SQLite, no `agents` import.
+
+Byte-compatible with the SDK's `EncryptedSession` (agents.extensions.memory):
+the same HKDF per-session key derivation, the same JSON encoding of the
+payload and the same envelope `{"__enc__": 1, "v": 1, "kid": ..., "payload": ...}`,
+except that the vault writes its own key id in `kid`. The tests check both
+directions against the real SDK.
+
+Every function that depends on the clock takes `now` so TTL tests never sleep
+(the same idea as Fernet's `encrypt_at_time` / `decrypt_at_time`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import hashlib
+import hmac
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+ENVELOPE_VERSION = 1
+# The SDK's HKDF `info`: changing it would make vault items unreadable by the SDK.
+HKDF_INFO = b"agents.session-store.hkdf.v1"
+KID_PREFIX = "mv1:"
+_KID_LABEL = b"memvault key id"
+# Fernet refuses tokens stamped further than this in the future (cryptography's _MAX_CLOCK_SKEW).
+MAX_CLOCK_SKEW = 60
+
+
+def generate_key() -> str:
+    """A new random master key: 32 bytes from the OS CSPRNG, urlsafe base64."""
+    return Fernet.generate_key().decode("ascii")
+
+
+def master_key_bytes(master_key: str) -> bytes:
+    """Decode a master key; only real 32-byte Fernet-style keys are accepted."""
+    try:
+        raw = base64.urlsafe_b64decode(master_key.encode("ascii"))
+    except (binascii.Error, ValueError, UnicodeEncodeError) as exc:
+        raise ValueError("not a memvault master key") from exc
+    if len(raw) != 32:
+        raise ValueError("not a memvault master key")
+    return raw
+
+
+def is_valid_key(master_key: str | None) -> bool:
+    if not master_key:
+        return False
+    try:
+        master_key_bytes(master_key)
+    except ValueError:
+        return False
+    return True
+
+
+def key_id(master_key: str) -> str:
+    """A short public fingerprint of the key, derived one-way (HMAC-SHA256)."""
+    digest = hmac.new(master_key_bytes(master_key), _KID_LABEL, hashlib.sha256).hexdigest()
+    return KID_PREFIX + digest[:16]
+
+
+def session_fernet(master_key: str, session_id: str) -> Fernet:
+    """The per-session Fernet key, exactly as the SDK's EncryptedSession derives it."""
+    hkdf = HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=session_id.encode("utf-8"),
+        info=HKDF_INFO,
+    )
+    return Fernet(base64.urlsafe_b64encode(hkdf.derive(master_key_bytes(master_key))))
+
+
+def _to_json_bytes(obj: Any) -> bytes:
+    # Same encoding as the SDK's _to_json_bytes, so tokens decrypt to the same items.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=str).encode("utf-8")
+
+
+class ItemState(enum.Enum):
+    READABLE = "readable"
+    EXPIRED = "expired"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class Opened:
+    state: ItemState
+    item: Any = None
+    timestamp: int | None = None
+
+
+def parse_envelope(message_data: str) -> dict[str, Any] | None:
+    """The envelope dict, or None when the row is not a well-formed envelope."""
+    try:
+        env = json.loads(message_data)
+    except (json.JSONDecodeError, TypeError):
+        return None
+    if (
+        isinstance(env, dict)
+        and env.get("__enc__") == 1
+        and isinstance(env.get("payload"), str)
+        and isinstance(env.get("kid"), str)
+        and "v" in env
+    ):
+        return env
+    return None
+
+
+class Sealer:
+    """Seals and opens items for one master key; caches the per-session keys."""
+
+    def __init__(self, master_key: str) -> None:
+        self._master = master_key
+        self.kid = key_id(master_key)
+        self._fernets: dict[str, Fernet] = {}
+
+    def __repr__(self) -> str:  # never show the key, even in a debugger or a log
+        return f"<Sealer kid={self.kid}>"
+
+    @property
+    def master_key(self) -> str:
+        """The secret itself: only for handing to the SDK's EncryptedSession."""
+        return self._master
+
+    def fernet(self, session_id: str) -> Fernet:
+        f = self._fernets.get(session_id)
+        if f is None:
+            f = self._fernets[session_id] = session_fernet(self._master, session_id)
+        return f
+
+    def envelope(self, session_id: str, item: Any, now: int | None = None) -> dict[str, Any]:
+        f = self.fernet(session_id)
+        data = _to_json_bytes(item)
+        token = f.encrypt(data) if now is None else f.encrypt_at_time(data, now)
+        return {"__enc__": 1, "v": ENVELOPE_VERSION, "kid": self.kid, "payload": token.decode()}
+
+    def seal(self, session_id: str, item: Any, now: int | None = None) -> str:
+        """The row text: `json.dumps(envelope)`, as SQLiteSession stores it."""
+        return json.dumps(self.envelope(session_id, item, now))
+
+    def open(
+        self, session_id: str, message_data: str, ttl: int | None, now: int | None = None
+    ) -> Opened:
+        """Tell readable, expired and unreadable (wrong key, corrupt, tampered) apart.
+
+        Fernet alone reports all three as InvalidToken: authenticate without a TTL
+        first, then judge the authenticated timestamp.
+        """
+        env = parse_envelope(message_data)
+        if env is None:
+            return Opened(ItemState.UNREADABLE)
+        f = self.fernet(session_id)
+        token = env["payload"].encode("ascii", "replace")
+        try:
+            ts = f.extract_timestamp(token)
+        except (InvalidToken, TypeError):
+            return Opened(ItemState.UNREADABLE)
+        current = int(time.time()) if now is None else now
+        if ttl is not None and ts + ttl < current:
+            return Opened(ItemState.EXPIRED, timestamp=ts)
+        try:
+            if ttl is None:
+                plain = f.decrypt(token)
+            else:
+                plain = f.decrypt_at_time(token, ttl=ttl, current_time=current)
+            item = json.loads(plain.decode("utf-8"))
+        except (InvalidToken, ValueError):
+            return Opened(ItemState.UNREADABLE, timestamp=ts)
+        return Opened(ItemState.READABLE, item=item, timestamp=ts)
+
+
+def rotate_row(old: Sealer, new: Sealer, session_id: str, message_data: str) -> str | None:
+    """Re-encrypt one row under the new key, keeping the token's timestamp.
+
+    `MultiFernet.rotate` decrypts with any of the keys and re-encrypts with the
+    first while preserving the original timestamp, so rotation never extends an
+    item's life. Returns None when the row does not authenticate under the old key.
+    """
+    env = parse_envelope(message_data)
+    if env is None:
+        return None
+    mf = MultiFernet([new.fernet(session_id), old.fernet(session_id)])
+    try:
+        token = mf.rotate(env["payload"].encode("ascii", "replace"))
+    except InvalidToken:
+        return None
+    env["kid"] = new.kid
+    env["payload"] = token.decode()
+    return json.dumps(env)
+
+
+def token_timestamp(message_data: str) -> int | None:
+    """The (unauthenticated) Fernet timestamp of a row; for counting, never for trust."""
+    env = parse_envelope(message_data)
+    if env is None:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(env["payload"].encode("ascii"))
+    except (binascii.Error, ValueError):
+        return None
+    return int.from_bytes(raw[1:9], "big") if len(raw) >= 9 else None
+
+
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhdw]?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+MAX_TTL = 100 * 365 * 86400
+
+
+def parse_duration(text: str) -> int | None:
+    """`90s`, `15m`, `12h`, `30d`, `2w`, plain seconds, or `never` (None)."""
+    if text.strip().lower() == "never":
+        return None
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(
+            f"{text!r} is not a duration; use e.g. 90s, 15m, 12h, 30d, 2w, a number of seconds, "
+            "or never"
+        )
+    seconds = int(m.group(1)) * _UNITS[m.group(2).lower()]
+    if seconds <= 0:
+        raise ValueError(f"{text!r} is not a positive duration; use at least 1s, or never")
+    if seconds > MAX_TTL:
+        raise ValueError(f"{text!r} is longer than 100 years; use never for no expiry")
+    return seconds
+
+
+def format_duration(seconds: int | None) -> str:
+    if seconds is None:
+        return "never"
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

@@ -1,0 +1,85 @@
+"""The one hierarchy of user-facing failures.
+
+Each error carries a message written for the person at the terminal (what
+happened, then what to do) and the exit code DESIGN.md documents. `cli.main`
+is the single place that turns them into a line on stderr.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NO_VAULT = 3
+EXIT_KEY = 4
+EXIT_BUSY = 5
+
+
+class VaultError(Exception):
+    """Base class: an operation failed; nothing secret is in the message."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class OperationFailed(VaultError):
+    """Bad data, an I/O error, a refused request (exit 1)."""
+
+
+class VaultExists(VaultError):
+    """`init` found a vault already there."""
+
+
+class VaultCorrupt(VaultError):
+    """The file is a vault but SQLite reports damage."""
+
+
+class UnknownSession(VaultError):
+    """The session id is not in the vault."""
+
+
+class BadInput(VaultError):
+    """A value the user gave cannot be used (exit 2, like Click's usage errors)."""
+
+    exit_code = EXIT_USAGE
+
+
+class NotAVault(VaultError):
+    """No vault at that path, or the file is not a memvault vault (exit 3)."""
+
+    exit_code = EXIT_NO_VAULT
+
+
+class KeyProblem(VaultError):
+    """Anything wrong with the master key or the keyring (exit 4)."""
+
+    exit_code = EXIT_KEY
+
+
+class KeyringUnavailable(KeyProblem):
+    """No usable keyring backend (none found, or the null backend)."""
+
+
+class KeyringLocked(KeyProblem):
+    """The keyring collection is locked and could not be unlocked."""
+
+
+class KeyMissing(KeyProblem):
+    """The keyring has no (or an empty, or a malformed) entry for this vault."""
+
+
+class KeyRevoked(KeyProblem):
+    """The key was destroyed on purpose with `memvault revoke`."""
+
+
+class KeyMismatch(KeyProblem):
+    """The keyring holds a key, but not the one the vault was written with."""
+
+
+class VaultBusy(VaultError):
+    """Another process holds the lock past the timeout (exit 5)."""
+
+    exit_code = EXIT_BUSY

@@ -1,0 +1,1080 @@
+"""The vault file: SQLite schema, key checks and every operation the CLI offers.
+
+The file keeps the SDK's own `agent_sessions` / `agent_messages` tables
+unchanged (so `SQLiteSession` can still open it) and adds `memvault_meta`,
+`memvault_audit`, `memvault_migrations` and guard triggers. This module never
+imports `agents`: only `vault.session` does, when an agent session is opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import secrets
+import sqlite3
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from . import crypto, paths
+from .errors import (
+    KeyMismatch,
+    KeyProblem,
+    KeyRevoked,
+    NotAVault,
+    OperationFailed,
+    UnknownSession,
+    VaultBusy,
+    VaultCorrupt,
+    VaultError,
+    VaultExists,
+)
+from .keys import KeyStore, require_key
+
+FORMAT = "memvault/1"
+DEFAULT_TTL = 30 * 86400
+SESSIONS_TABLE = "agent_sessions"
+MESSAGES_TABLE = "agent_messages"
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# A shred in progress stamps the file so that a second run recognises and finishes it.
+SHRED_MAGIC = b"memvault-shred\x00\x00"
+ENV_LOCK_TIMEOUT = "MEMVAULT_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT = 120.0
+# Checkpoints wait this long for readers before the scrub reports itself incomplete.
+SCRUB_WAIT = 2.0
+
+Progress = Callable[[int], None]
+T = TypeVar("T")
+
+
+def lock_timeout() -> float:
+    """How long writers wait for the write lock (rotations can take a while)."""
+    raw = os.environ.get(ENV_LOCK_TIMEOUT)
+    if raw:
+        try:
+            value = float(raw)
+            if value >= 0:
+                return value
+        except ValueError:
+            pass
+    return DEFAULT_LOCK_TIMEOUT
+
+
+def utcnow() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --------------------------------------------------------------------------
+# Schema: migrations are a list of functions, each recorded once by name.
+# --------------------------------------------------------------------------
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = []
+
+
+def migration(fn: Callable[[sqlite3.Connection], None]) -> Callable[[sqlite3.Connection], None]:
+    MIGRATIONS.append(fn)
+    return fn
+
+
+@migration
+def m001_sdk_tables(conn: sqlite3.Connection) -> None:
+    # The exact DDL of the SDK's SQLiteSession, so the SDK recognises the file.
+    conn.execute(
+        f"""CREATE TABLE IF NOT EXISTS {SESSIONS_TABLE} (
+                session_id TEXT PRIMARY KEY,
+                created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+                updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+            )"""
+    )
+    conn.execute(
+        f"""CREATE TABLE IF NOT EXISTS {MESSAGES_TABLE} (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                session_id TEXT NOT NULL,
+                message_data TEXT NOT NULL,
+                created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+                FOREIGN KEY (session_id) REFERENCES {SESSIONS_TABLE} (session_id)
+                    ON DELETE CASCADE
+            )"""
+    )
+    conn.execute(
+        f"CREATE INDEX IF NOT EXISTS idx_{MESSAGES_TABLE}_session_id "
+        f"ON {MESSAGES_TABLE} (session_id, id)"
+    )
+
+
+@migration
+def m002_meta(conn: sqlite3.Connection) -> None:
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS memvault_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+    )
+
+
+# A row may enter agent_messages only as a well-formed envelope under the current kid:
+# this refuses plaintext from a bare SQLiteSession, items under another key, and a
+# writer that opened the vault before a rotation.
+_NOT_SEALED = """
+    CASE WHEN json_valid(NEW.message_data) THEN
+        json_type(NEW.message_data) IS NOT 'object'
+        OR json_extract(NEW.message_data, '$.__enc__') IS NOT 1
+        OR json_type(NEW.message_data, '$.payload') IS NOT 'text'
+        OR json_extract(NEW.message_data, '$.payload') NOT GLOB 'gAAAAA*'
+        OR json_extract(NEW.message_data, '$.kid') IS NOT
+            (SELECT value FROM memvault_meta WHERE key = 'kid')
+        OR (SELECT count(*) FROM json_each(NEW.message_data)) != 4
+    ELSE 1 END
+"""
+GUARD_MESSAGE = "memvault: refused an item not sealed with the vault's current key"
+
+
+@migration
+def m003_guard_triggers(conn: sqlite3.Connection) -> None:
+    conn.execute(
+        f"""CREATE TRIGGER IF NOT EXISTS memvault_guard_insert
+            BEFORE INSERT ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
+    )
+    conn.execute(
+        f"""CREATE TRIGGER IF NOT EXISTS memvault_guard_update
+            BEFORE UPDATE OF message_data ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
+    )
+
+
+@migration
+def m004_audit(conn: sqlite3.Connection) -> None:
+    # Events and counts only: never content, never a session's items.
+    conn.execute(
+        """CREATE TABLE IF NOT EXISTS memvault_audit (
+               id INTEGER PRIMARY KEY AUTOINCREMENT,
+               at TEXT NOT NULL,
+               event TEXT NOT NULL,
+               kid TEXT,
+               details TEXT NOT NULL DEFAULT '{}'
+           )"""
+    )
+
+
+def migrate(conn: sqlite3.Connection) -> list[str]:
+    """Apply the migrations not yet recorded; the caller holds a write transaction."""
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS memvault_migrations "
+        "(name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"
+    )
+    done = {r[0] for r in conn.execute("SELECT name FROM memvault_migrations")}
+    applied = []
+    for fn in MIGRATIONS:
+        if fn.__name__ not in done:
+            fn(conn)
+            conn.execute(
+                "INSERT INTO memvault_migrations (name, applied_at) VALUES (?, ?)",
+                (fn.__name__, utcnow()),
+            )
+            applied.append(fn.__name__)
+    return applied
+
+
+# --------------------------------------------------------------------------
+# SQLite connections and error translation
+# --------------------------------------------------------------------------
+def configure(conn: sqlite3.Connection, timeout: float) -> None:
+    """Pragmas every vault connection uses (the SDK session's connections too)."""
+    conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+    conn.execute("PRAGMA secure_delete = ON")  # deleted cells and pages are zeroed
+    conn.execute("PRAGMA temp_store = MEMORY")  # VACUUM's copy never touches a temp file
+    conn.execute("PRAGMA synchronous = FULL")
+    if sys.platform == "darwin":
+        conn.execute("PRAGMA fullfsync = ON")
+
+
+def connect(path: Path, timeout: float | None = None) -> sqlite3.Connection:
+    """Open an existing file read-write; never creates one (mode=rw)."""
+    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=rw"
+    t = lock_timeout() if timeout is None else timeout
+    conn = sqlite3.connect(uri, uri=True, timeout=t, isolation_level=None, check_same_thread=False)
+    try:
+        configure(conn, t)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def translate(exc: sqlite3.Error, path: Path) -> VaultError:
+    """One user-facing error for each way SQLite can fail on a vault file."""
+    text = str(exc)
+    low = text.lower()
+    if "file is not a database" in low:
+        return NotAVault(
+            f"{path} is not a SQLite database, so it is not a memvault vault; "
+            "point --db or MEMVAULT_DB at your vault"
+        )
+    if "malformed" in low or "corrupt" in low:
+        return VaultCorrupt(
+            f"{path} is damaged ({text}); nothing was changed; restore the vault from a backup"
+        )
+    if "locked" in low or "busy" in low:
+        return VaultBusy(
+            f"{path} is busy: another process holds its lock ({text}); wait for "
+            f"it to finish, or raise {ENV_LOCK_TIMEOUT} (seconds)"
+        )
+    if "readonly" in low or "read-only" in low or "unable to open" in low or "permission" in low:
+        return OperationFailed(
+            f"cannot write to {path} or its folder ({text}); check the "
+            "permissions of the file and its folder; nothing was changed"
+        )
+    if "disk i/o" in low or "full" in low:
+        return OperationFailed(
+            f"I/O error on {path} ({text}); check the disk; the last committed state is intact"
+        )
+    if GUARD_MESSAGE in text:
+        return OperationFailed(f"{text}; nothing was stored")
+    return OperationFailed(f"SQLite error on {path}: {text}")
+
+
+@contextlib.contextmanager
+def sqlite_errors(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise translate(exc, path) from exc
+
+
+def _file_header(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(100)
+
+
+def _check_header(path: Path) -> None:
+    """Reject what is plainly not a vault before SQLite touches (or creates) anything."""
+    if not path.exists():
+        raise NotAVault(
+            f"no vault at {path}; create one with `memvault init`, or point --db / "
+            "MEMVAULT_DB at an existing vault"
+        )
+    if path.is_dir():
+        raise NotAVault(f"{path} is a folder, not a vault file; give the vault's file path")
+    try:
+        header = _file_header(path)
+    except OSError as exc:
+        raise OperationFailed(
+            f"cannot read {path} ({exc.strerror}); check its permissions"
+        ) from None
+    if header.startswith(SHRED_MAGIC):
+        raise NotAVault(
+            f"{path} is a vault whose shred was interrupted; run `memvault shred` "
+            "again to finish it"
+        )
+    if not header:
+        raise NotAVault(f"{path} is empty, not a memvault vault")
+    if not header.startswith(SQLITE_MAGIC):
+        raise NotAVault(
+            f"{path} is not a SQLite database, so it is not a memvault vault; "
+            "point --db or MEMVAULT_DB at your vault"
+        )
+    if len(header) >= 32:
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        pages = int.from_bytes(header[28:32], "big")
+        if pages and page_size and path.stat().st_size < pages * page_size:
+            raise VaultCorrupt(
+                f"{path} is truncated ({path.stat().st_size} bytes where its header says "
+                f"{pages * page_size}); nothing was changed; restore the vault from a backup"
+            )
+
+
+# --------------------------------------------------------------------------
+# The vault
+# --------------------------------------------------------------------------
+@dataclass
+class SessionInfo:
+    session_id: str
+    items: int
+    readable: int = 0
+    expired: int = 0
+    unreadable: int = 0
+    updated_at: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Report:
+    """What a long operation did, for the CLI to print or dump as JSON."""
+
+    counts: dict[str, Any] = field(default_factory=dict)
+    scrubbed: bool = True
+
+
+class Vault:
+    """The library object behind every command. Open with `Vault.open` or `Vault.init`."""
+
+    def __init__(self, path: Path, keystore: KeyStore | None = None) -> None:
+        self.path = path
+        self._keystore = keystore
+        self._sealer: crypto.Sealer | None = None
+        self.scrub_incomplete = False
+
+    # -- construction ---------------------------------------------------
+    @classmethod
+    def init(
+        cls,
+        db: str | os.PathLike[str] | None = None,
+        ttl: int | None = DEFAULT_TTL,
+        keystore: KeyStore | None = None,
+    ) -> Vault:
+        """Create the vault file and its random master key; refuse if anything is there."""
+        path = paths.resolve_db_path(db)
+        if path.exists():
+            try:
+                cls.open(path, keystore)
+            except NotAVault:
+                raise VaultExists(
+                    f"{path} already exists and is not a memvault vault; memvault will not "
+                    "overwrite it (to encrypt a plaintext SQLiteSession file use `memvault "
+                    "import`)"
+                ) from None
+            except VaultError:
+                pass
+            raise VaultExists(
+                f"a vault already exists at {path}; nothing was changed "
+                "(`memvault status` describes it)"
+            )
+        leftovers = [p for p in paths.sidecars(path)[1:] if p.exists()]
+        if leftovers:
+            raise VaultExists(
+                f"{leftovers[0]} exists without its database; move it away "
+                "before creating a vault here"
+            )
+        ks = keystore or KeyStore()
+        ks.check_usable()
+        try:
+            paths.ensure_private_folder(path.parent)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            raise VaultExists(
+                f"a file appeared at {path} while creating the vault; nothing was changed"
+            ) from None
+        except OSError as exc:
+            raise OperationFailed(
+                f"cannot create {path} ({exc.strerror}); choose a writable "
+                "folder with --db or MEMVAULT_DB"
+            ) from None
+        try:
+            os.fchmod(fd, 0o600)  # the umask may have narrowed or widened it
+        finally:
+            os.close(fd)
+
+        key = crypto.generate_key()
+        kid = crypto.key_id(key)
+        vault_id = "mv-" + secrets.token_hex(12)
+        try:
+            # The key goes in first: a crash between the two leaves an unused keyring
+            # entry, never a vault without its key.
+            ks.set(vault_id, key)
+            with sqlite_errors(path):
+                conn = connect(path)
+                try:
+                    conn.execute("PRAGMA journal_mode = WAL")
+                    conn.execute("BEGIN IMMEDIATE")
+                    migrate(conn)
+                    now = utcnow()
+                    meta = {
+                        "format": FORMAT,
+                        "vault_id": vault_id,
+                        "kid": kid,
+                        "ttl_seconds": "never" if ttl is None else str(ttl),
+                        "created_at": now,
+                        "rotated_at": now,
+                    }
+                    conn.executemany(
+                        "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
+                    )
+                    _audit(conn, "init", kid, ttl=crypto.format_duration(ttl))
+                    conn.execute("COMMIT")
+                finally:
+                    conn.close()
+        except BaseException:
+            for p in paths.sidecars(path):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            with contextlib.suppress(VaultError):
+                ks.delete(vault_id)
+            raise
+        vault = cls(path, ks)
+        vault._sealer = crypto.Sealer(key)
+        return vault
+
+    @classmethod
+    def open(
+        cls, db: str | os.PathLike[str] | None = None, keystore: KeyStore | None = None
+    ) -> Vault:
+        """Check that the path is a vault; the key is loaded only when needed."""
+        path = paths.resolve_db_path(db)
+        _check_header(path)
+        vault = cls(path, keystore)
+        meta = vault.meta()
+        if meta.get("format") != FORMAT:
+            raise NotAVault(
+                f"{path} has an unknown memvault format {meta.get('format')!r}; upgrade memvault"
+            )
+        with sqlite_errors(path), vault._connect() as conn:
+            if _needs_migration(conn):
+                conn.execute("BEGIN IMMEDIATE")
+                migrate(conn)
+                conn.execute("COMMIT")
+        if meta.get("scrub_pending") == "1" and "revoked_at" not in meta:
+            # A rotation, purge or clear was cut off before its scrub: finish it now.
+            vault.scrub_incomplete = not vault.scrub()
+        return vault
+
+    # -- plumbing -------------------------------------------------------
+    @contextlib.contextmanager
+    def _connect(self, timeout: float | None = None) -> Iterator[sqlite3.Connection]:
+        with sqlite_errors(self.path):
+            conn = connect(self.path, timeout)
+        try:
+            with sqlite_errors(self.path):
+                yield conn
+        finally:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            conn.close()
+
+    @property
+    def keystore(self) -> KeyStore:
+        if self._keystore is None:
+            self._keystore = KeyStore()
+        return self._keystore
+
+    def meta(self) -> dict[str, str]:
+        with self._connect() as conn:
+            return _read_meta(conn, self.path)
+
+    @property
+    def vault_id(self) -> str:
+        return self.meta()["vault_id"]
+
+    @property
+    def ttl(self) -> int | None:
+        raw = self.meta().get("ttl_seconds", "never")
+        return None if raw == "never" else int(raw)
+
+    # -- the key --------------------------------------------------------
+    def sealer(self, refresh: bool = False) -> crypto.Sealer:
+        """The current key's sealer, after checking it against the file's kid.
+
+        Finishes an interrupted rotation (the file already uses the pending key) and
+        drops a pending key left by a rotation that died before its commit.
+        """
+        if self._sealer is not None and not refresh:
+            return self._sealer
+        ks = self.keystore
+        ks.check_usable()
+        for attempt in range(5):
+            meta = self.meta()
+            vault_id, file_kid = meta["vault_id"], meta["kid"]
+            if "revoked_at" in meta:
+                raise KeyRevoked(
+                    f"the key of vault {vault_id} was revoked on {meta['revoked_at']}; its "
+                    "history can never be read again; `memvault shred` removes the file"
+                )
+            current = ks.get(vault_id)
+            pending = ks.get_pending(vault_id)
+            if crypto.is_valid_key(pending) and crypto.key_id(pending or "") == file_kid:
+                assert pending is not None
+                # The rotation committed but died before promoting its key: promote it.
+                ks.set(vault_id, pending)
+                ks.delete_pending(vault_id)
+                self._sealer = crypto.Sealer(pending)
+                return self._sealer
+            if crypto.is_valid_key(current) and crypto.key_id(current or "") == file_kid:
+                assert current is not None
+                if pending is not None:
+                    self._drop_stale_pending(vault_id, file_kid)
+                self._sealer = crypto.Sealer(current)
+                return self._sealer
+            if current is None and pending is None:
+                break
+            # A rotation may have committed between reading the file and the keyring.
+            time.sleep(0.05 * (attempt + 1))
+        key = require_key(current, vault_id, ks.name)
+        raise KeyMismatch(
+            f"the keyring's key for vault {vault_id} has id {crypto.key_id(key)} but the vault "
+            f"was written with {file_kid}; nothing was read or written; restore the matching "
+            "key with `memvault key import KIT`"
+        )
+
+    def _drop_stale_pending(self, vault_id: str, file_kid: str) -> None:
+        """Remove a `.next` key whose rotation died before committing.
+
+        Only under the write lock: a live rotation holds it from before it stores
+        `.next` until its commit, so holding it proves no rotation is in flight.
+        """
+        try:
+            with self._connect(timeout=0) as conn:
+                conn.execute("BEGIN IMMEDIATE")
+                if _read_meta(conn, self.path)["kid"] == file_kid:
+                    self.keystore.delete_pending(vault_id)
+                conn.execute("ROLLBACK")
+        except VaultBusy:
+            pass  # a writer is busy; a later open will tidy up
+
+    # -- reading --------------------------------------------------------
+    def session_ids(self) -> list[str]:
+        with self._connect() as conn:
+            return [
+                r[0]
+                for r in conn.execute(
+                    f"SELECT session_id FROM {SESSIONS_TABLE} UNION "
+                    f"SELECT DISTINCT session_id FROM {MESSAGES_TABLE} ORDER BY 1"
+                )
+            ]
+
+    def count_items(self) -> int:
+        with self._connect() as conn:
+            return int(conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0])
+
+    def sessions(self, now: int | None = None) -> list[SessionInfo]:
+        """One row per session with readable, expired and unreadable counts."""
+        sealer = self.sealer()
+        ttl = self.ttl
+        with self._connect() as conn:
+            conn.execute("BEGIN")  # one snapshot for the whole listing
+            infos: dict[str, SessionInfo] = {}
+            for sid, updated in conn.execute(
+                f"SELECT session_id, updated_at FROM {SESSIONS_TABLE} ORDER BY session_id"
+            ):
+                infos[sid] = SessionInfo(sid, 0, updated_at=updated)
+            for sid, data in conn.execute(
+                f"SELECT session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
+            ):
+                info = infos.setdefault(sid, SessionInfo(sid, 0))
+                info.items += 1
+                state = sealer.open(sid, data, ttl, now).state
+                if state is crypto.ItemState.READABLE:
+                    info.readable += 1
+                elif state is crypto.ItemState.EXPIRED:
+                    info.expired += 1
+                else:
+                    info.unreadable += 1
+            conn.execute("COMMIT")
+        return sorted(infos.values(), key=lambda i: i.session_id)
+
+    def _require_session(self, conn: sqlite3.Connection, session_id: str) -> None:
+        found = conn.execute(
+            f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = ? UNION ALL "
+            f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = ? LIMIT 1",
+            (session_id, session_id),
+        ).fetchone()
+        if not found:
+            raise UnknownSession(
+                f"no session {session_id!r} in {self.path}; `memvault sessions` lists them"
+            )
+
+    def items(
+        self, session_id: str, limit: int | None = None, now: int | None = None
+    ) -> tuple[list[Any], int, int]:
+        """(readable items oldest first, expired count, unreadable count).
+
+        With `limit`, the newest `limit` stored rows are considered, as the SDK does.
+        """
+        if limit is not None and limit <= 0:
+            raise OperationFailed("limit must be a positive number of items")
+        sealer = self.sealer()
+        ttl = self.ttl
+        with self._connect() as conn:
+            self._require_session(conn, session_id)
+            sql = f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id DESC"
+            args: tuple[Any, ...] = (session_id,)
+            if limit is not None:
+                sql += " LIMIT ?"
+                args += (limit,)
+            rows = [r[0] for r in conn.execute(sql, args)][::-1]
+        out: list[Any] = []
+        expired = unreadable = 0
+        for data in rows:
+            opened = sealer.open(session_id, data, ttl, now)
+            if opened.state is crypto.ItemState.READABLE:
+                out.append(opened.item)
+            elif opened.state is crypto.ItemState.EXPIRED:
+                expired += 1
+            else:
+                unreadable += 1
+        return out, expired, unreadable
+
+    def status(self, now: int | None = None) -> dict[str, Any]:
+        meta = self.meta()
+        files = {}
+        for p in paths.sidecars(self.path):
+            if p.exists():
+                files[p.name] = {"size": p.stat().st_size, "mode": paths.mode_of(p)}
+        out: dict[str, Any] = {
+            "path": str(self.path),
+            "folder_mode": paths.mode_of(self.path.parent),
+            "files": files,
+            "size": sum(f["size"] for f in files.values()),
+            "vault_id": meta["vault_id"],
+            "kid": meta["kid"],
+            "ttl": crypto.format_duration(self.ttl),
+            "created_at": meta.get("created_at"),
+            "rotated_at": meta.get("rotated_at"),
+            "scrub_pending": meta.get("scrub_pending") == "1",
+            "keyring": None,
+            "key": None,
+        }
+        with self._connect() as conn:
+            out["sessions"] = len(self.session_ids())
+            out["items"] = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
+        try:
+            out["keyring"] = self.keystore.name
+            self.sealer()
+            out["key"] = "present and matching"
+        except KeyRevoked:
+            out["key"] = "key revoked"
+        except KeyProblem as exc:
+            out["key"] = "unusable"
+            out["key_problem"] = exc.message
+            return out
+        if out["key"] != "present and matching":
+            return out
+        infos = self.sessions(now)
+        out["readable"] = sum(i.readable for i in infos)
+        out["expired"] = sum(i.expired for i in infos)
+        out["unreadable"] = sum(i.unreadable for i in infos)
+        return out
+
+    # -- changing -------------------------------------------------------
+    def pop(self, session_id: str, n: int = 1) -> list[Any]:
+        """Remove the newest `n` items; refuses if one of them does not authenticate."""
+        if n <= 0:
+            raise OperationFailed("the number of items to pop must be positive")
+        sealer = self.sealer()
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            self._check_kid(conn, sealer)
+            self._require_session(conn, session_id)
+            rows = conn.execute(
+                f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = ? "
+                "ORDER BY id DESC LIMIT ?",
+                (session_id, n),
+            ).fetchall()
+            popped = []
+            for _id, data in rows:
+                opened = sealer.open(session_id, data, None)
+                if opened.state is not crypto.ItemState.READABLE:
+                    raise OperationFailed(
+                        f"item {_id} of session {session_id!r} does not authenticate (tampered, "
+                        "corrupt or under another key); nothing was removed"
+                    )
+                popped.append(opened.item)
+            conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in rows])
+            _set_meta(conn, scrub_pending="1")
+            conn.execute("COMMIT")
+        self.scrub_incomplete = not self.scrub()
+        return popped
+
+    def clear(self, session_id: str) -> int:
+        """Empty one session (rows zeroed by secure_delete, WAL checkpointed)."""
+        sealer = self.sealer()
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            self._check_kid(conn, sealer)
+            self._require_session(conn, session_id)
+            n = conn.execute(
+                f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = ?", (session_id,)
+            ).rowcount
+            conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = ?", (session_id,))
+            _set_meta(conn, scrub_pending="1")
+            _audit(conn, "clear", sealer.kid, items=n)
+            conn.execute("COMMIT")
+        self.scrub_incomplete = not self.scrub()
+        return n
+
+    def set_ttl(self, ttl: int | None) -> None:
+        sealer = self.sealer()
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            old = _read_meta(conn, self.path).get("ttl_seconds")
+            new = "never" if ttl is None else str(ttl)
+            _set_meta(conn, ttl_seconds=new)
+            _audit(conn, "ttl", sealer.kid, old=old, new=new)
+            conn.execute("COMMIT")
+
+    def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
+        """Delete items that authenticate under the key and are past the TTL."""
+        sealer = self.sealer()
+        ttl = self.ttl
+        deleted = kept = unreadable = 0
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            self._check_kid(conn, sealer)
+            doomed = []
+            for row_id, sid, data in conn.execute(
+                f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
+            ).fetchall():
+                state = sealer.open(sid, data, ttl, now).state
+                if state is crypto.ItemState.EXPIRED:
+                    doomed.append((row_id,))
+                elif state is crypto.ItemState.UNREADABLE:
+                    unreadable += 1
+                else:
+                    kept += 1
+                if progress:
+                    progress(1)
+            failpoint("purge-in-transaction")
+            conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
+            deleted = len(doomed)
+            if deleted:
+                _set_meta(conn, scrub_pending="1")
+            _audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)
+            conn.execute("COMMIT")
+        scrubbed = self.scrub() if deleted else True
+        self.scrub_incomplete = not scrubbed
+        return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed)
+
+    def _check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> None:
+        """Inside a write transaction: the file still uses the key we hold."""
+        if _read_meta(conn, self.path)["kid"] != sealer.kid:
+            conn.execute("ROLLBACK")
+            fresh = self.sealer(refresh=True)
+            conn.execute("BEGIN IMMEDIATE")
+            if _read_meta(conn, self.path)["kid"] != fresh.kid:
+                raise VaultBusy(f"{self.path} changed key while this command ran; try again")
+
+    # -- rotation and revocation ----------------------------------------
+    def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
+        """New key; every envelope re-encrypted in one transaction; old bytes scrubbed.
+
+        Two-phase key swap: the new key is stored as `<vault_id>.next` while this
+        process holds the write lock and before any row changes; it is promoted
+        after the commit. `sealer()` finishes either half after a crash.
+        """
+        started = time.monotonic()
+        old = self.sealer(refresh=True)
+        ks = self.keystore
+        new = crypto.Sealer(crypto.generate_key())
+        ttl = self.ttl
+        cutoff = None if ttl is None else int(time.time()) - ttl
+        items = expired = unreadable = 0
+        sessions: set[str] = set()
+        with self._connect() as conn:
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            self._check_kid(conn, old)
+            old = self._sealer or old
+            vault_id = _read_meta(conn, self.path)["vault_id"]
+            ks.set_pending(vault_id, new.master_key)
+            failpoint("after-pending")
+            _set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
+            last = -1
+            while True:
+                batch = conn.execute(
+                    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+                    "WHERE id > ? ORDER BY id LIMIT 1000",
+                    (last,),
+                ).fetchall()
+                if not batch:
+                    break
+                updates = []
+                for row_id, sid, data in batch:
+                    sessions.add(sid)
+                    rotated = crypto.rotate_row(old, new, sid, data)
+                    if rotated is None:
+                        unreadable += 1  # kept as it is: nothing is deleted by a rotation
+                        continue
+                    items += 1
+                    ts = crypto.token_timestamp(rotated)
+                    if cutoff is not None and ts is not None and ts < cutoff:
+                        expired += 1
+                    updates.append((rotated, row_id))
+                conn.executemany(
+                    f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ?", updates
+                )
+                last = batch[-1][0]
+                if progress:
+                    progress(len(batch))
+                failpoint("in-transaction")
+            _audit(
+                conn,
+                "rotate",
+                new.kid,
+                old_kid=old.kid,
+                items=items,
+                expired=expired,
+                unreadable=unreadable,
+                sessions=len(sessions),
+            )
+            conn.execute("COMMIT")
+        failpoint("after-commit")
+        ks.set(vault_id, new.master_key)
+        ks.delete_pending(vault_id)
+        failpoint("after-promotion")
+        self._sealer = new
+        scrubbed = self.scrub() if scrub else False
+        self.scrub_incomplete = not scrubbed
+        return Report(
+            {
+                "sessions": len(sessions),
+                "items": items,
+                "expired": expired,
+                "unreadable": unreadable,
+                "old_kid": old.kid,
+                "new_kid": new.kid,
+                "seconds": round(time.monotonic() - started, 3),
+                "scrubbed": scrubbed,
+            },
+            scrubbed,
+        )
+
+    def revoke(self) -> dict[str, Any]:
+        """Destroy the key (current and pending). The file stays, unreadable for ever.
+
+        The file is marked first, so a revoke killed half-way is finished by the next
+        one, and writers still holding the key in memory are refused by the triggers.
+        """
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            meta = _read_meta(conn, self.path)
+            already = "revoked_at" in meta
+            if not already:
+                _set_meta(conn, revoked_at=utcnow(), revoked_kid=meta["kid"], kid="revoked")
+                _audit(conn, "revoke", meta["kid"])
+            conn.execute("COMMIT")
+        vault_id = meta["vault_id"]
+        destroyed = self.keystore.delete_pending(vault_id)
+        destroyed = self.keystore.delete(vault_id) or destroyed
+        self._sealer = None
+        return {
+            "vault_id": vault_id,
+            "kid": meta.get("revoked_kid", meta["kid"]),
+            "already_revoked": already,
+            "key_destroyed": destroyed,
+        }
+
+    # -- scrubbing ------------------------------------------------------
+    def scrub(self) -> bool:
+        """Checkpoint the WAL (TRUNCATE) and VACUUM so no replaced bytes remain.
+
+        Returns False, leaving `scrub_pending` set for the next open, when another
+        process's read transaction keeps the checkpoint from finishing.
+        """
+        with self._connect(timeout=SCRUB_WAIT) as conn:
+            try:
+                if conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
+                    return False
+                failpoint("during-scrub")
+                conn.execute("VACUUM")
+                conn.execute("BEGIN IMMEDIATE")
+                _set_meta(conn, scrub_pending="0")
+                conn.execute("COMMIT")
+                # Old bytes are gone already; this one only empties the WAL of new pages.
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    return False
+                raise
+        return True
+
+    def shred(self, progress: Progress | None = None) -> dict[str, Any]:
+        return shred(self.path, self._keystore, progress)
+
+    # -- agent sessions -------------------------------------------------
+    def session(self, session_id: str) -> Any:
+        """An `EncryptedSession` over this vault (imports the Agents SDK)."""
+        from .session import make_session
+
+        return make_session(self, session_id)
+
+    # -- audit ----------------------------------------------------------
+    def audit_log(self) -> list[dict[str, Any]]:
+        with self._connect() as conn:
+            return [
+                {"at": at, "event": ev, "kid": kid, **json.loads(details)}
+                for at, ev, kid, details in conn.execute(
+                    "SELECT at, event, kid, details FROM memvault_audit ORDER BY id"
+                )
+            ]
+
+
+def failpoint(name: str) -> None:
+    """Test-only crash injection: SIGKILL this process at a named step.
+
+    The crash tests set MEMVAULT_FAILPOINT to prove a kill at each step of a
+    rotation loses nothing. Unset, this is one dictionary lookup.
+    """
+    if os.environ.get("MEMVAULT_FAILPOINT") == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _needs_migration(conn: sqlite3.Connection) -> bool:
+    try:
+        done = {r[0] for r in conn.execute("SELECT name FROM memvault_migrations")}
+    except sqlite3.OperationalError:
+        return True
+    return any(fn.__name__ not in done for fn in MIGRATIONS)
+
+
+def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            raise NotAVault(
+                f"{path} is a SQLite database but not a memvault vault; to encrypt a plaintext "
+                "SQLiteSession file into a vault use `memvault import`"
+            ) from None
+        raise
+    for required in ("format", "vault_id", "kid"):
+        if required not in meta:
+            raise NotAVault(f"{path} lacks the vault's {required}; it is not a usable vault")
+    return meta
+
+
+def _set_meta(conn: sqlite3.Connection, **values: str) -> None:
+    conn.executemany(
+        "INSERT INTO memvault_meta (key, value) VALUES (?, ?) "
+        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        values.items(),
+    )
+
+
+def _audit(conn: sqlite3.Connection, event: str, kid: str | None, **details: Any) -> None:
+    conn.execute(
+        "INSERT INTO memvault_audit (at, event, kid, details) VALUES (?, ?, ?, ?)",
+        (utcnow(), event, kid, json.dumps(details, sort_keys=True)),
+    )
+
+
+# --------------------------------------------------------------------------
+# Shred: key first, then rows, then the bytes of every file.
+# --------------------------------------------------------------------------
+def _overwrite(path: Path, header: bytes = b"", progress: Progress | None = None) -> int:
+    """Overwrite a file in place with `header` then zeros, and fsync it."""
+    size = path.stat().st_size
+    chunk = bytes(1 << 20)
+    with open(path, "r+b", buffering=0) as fh:
+        fh.write(header[:size])
+        done = min(len(header), size)
+        while done < size:
+            n = fh.write(chunk[: min(len(chunk), size - done)])
+            done += n
+            if progress:
+                progress(n)
+        os.fsync(fh.fileno())
+    return size
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform lets you open a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def shred(
+    db: str | os.PathLike[str] | None = None,
+    keystore: KeyStore | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Destroy a vault: lock, key, rows, then overwrite, fsync and unlink every file.
+
+    Works without the key (revoked, or the keyring entry gone). A shred killed
+    half-way leaves a stamped file that the next run recognises and finishes.
+    """
+    path = paths.resolve_db_path(db)
+    present = [p for p in paths.sidecars(path) if p.exists()]
+    if not path.exists():
+        raise NotAVault(f"no vault at {path}; nothing to shred")
+    header = _file_header(path)
+    report: dict[str, Any] = {"path": str(path), "resumed": False, "sessions": 0, "items": 0}
+    ks = keystore or KeyStore()
+    if header.startswith(SHRED_MAGIC):
+        # Interrupted after the key and rows were gone: finish the overwrite.
+        report["resumed"] = True
+        try:
+            stamp = json.loads(_file_header(path)[len(SHRED_MAGIC) :].split(b"\n")[0])
+        except ValueError:
+            stamp = {}
+        vault_id, kid = stamp.get("vault_id"), stamp.get("kid")
+    else:
+        _check_header(path)
+        conn = connect(path, timeout=SCRUB_WAIT)
+        try:
+            with sqlite_errors(path):
+                # Exclusive locking mode: the lock is kept until close, and it cannot be
+                # taken while any other connection has the file open.
+                conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+                try:
+                    conn.execute("BEGIN EXCLUSIVE")
+                except sqlite3.OperationalError as exc:
+                    if "locked" in str(exc) or "busy" in str(exc):
+                        raise VaultBusy(
+                            f"{path} is in use by another process; close the agents and "
+                            "commands using it, then run shred again; nothing was destroyed"
+                        ) from None
+                    raise
+                meta = _read_meta(conn, path)
+                vault_id = meta["vault_id"]
+                kid = meta.get("revoked_kid", meta["kid"])
+                report["sessions"] = conn.execute(
+                    f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+                    f"SELECT session_id FROM {MESSAGES_TABLE})"
+                ).fetchone()[0]
+                report["items"] = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[
+                    0
+                ]
+                # The key goes first: from here on a crash leaves only unreadable ciphertext.
+                ks.check_usable()
+                destroyed = ks.delete_pending(vault_id)
+                destroyed = ks.delete(vault_id) or destroyed
+                report["key_destroyed"] = destroyed
+                failpoint("shred-after-key")
+                conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
+                conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
+                conn.execute("DELETE FROM memvault_audit")
+                conn.execute("COMMIT")
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            conn.close()
+        failpoint("shred-after-rows")
+    report["vault_id"], report["kid"] = vault_id, kid
+    if "key_destroyed" not in report:
+        with contextlib.suppress(VaultError):
+            report["key_destroyed"] = bool(
+                vault_id and (ks.delete_pending(vault_id) | ks.delete(vault_id))
+            )
+    stamp_bytes = SHRED_MAGIC + json.dumps({"vault_id": vault_id, "kid": kid}).encode() + b"\n"
+    files = []
+    try:
+        # Stamp the database first so that nothing opens it as SQLite again.
+        sizes = {p: p.stat().st_size for p in present if p.exists()}
+        _overwrite(path, stamp_bytes, progress)
+        failpoint("shred-during-overwrite")
+        for p in paths.sidecars(path)[1:]:
+            if p.exists():
+                sizes.setdefault(p, p.stat().st_size)
+                _overwrite(p, b"", progress)
+                p.unlink()
+                files.append({"name": p.name, "size": sizes[p]})
+        path.unlink()
+        files.insert(0, {"name": path.name, "size": sizes.get(path, 0)})
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        raise OperationFailed(
+            f"could not overwrite or remove {exc.filename or path} ({exc.strerror}); the key is "
+            "already destroyed; fix the permissions and run `memvault shred` again"
+        ) from None
+    report["files"] = files
+    report["at"] = utcnow()
+    return report
