@@ -1,0 +1,152 @@
+"""Shared fixtures. The suite refuses to run outside a private Secret Service.
+
+Run it with `scripts/test`, which starts gnome-keyring-daemon inside
+dbus-run-session with a temporary HOME: the developer's own keyring is never
+touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import keyring
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("MEMVAULT_IN_PRIVATE_KEYRING") != "1":
+        pytest.exit(
+            "refusing to run outside a private keyring: use scripts/test "
+            "(it starts a throwaway gnome-keyring-daemon in a private D-Bus session)",
+            returncode=3,
+        )
+    backend = type(keyring.get_keyring())
+    assert backend.__module__ == "keyring.backends.SecretService", backend
+
+
+@pytest.fixture(autouse=True)
+def vault_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own vault path (not created), via MEMVAULT_DB."""
+    db = tmp_path / "vaultdir" / "history.db"
+    monkeypatch.setenv("MEMVAULT_DB", str(db))
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("MEMVAULT_FAILPOINT", raising=False)
+    return db
+
+
+class CLIResult:
+    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
+        self.code = proc.returncode
+        self.out = proc.stdout
+        self.err = proc.stderr
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    def __repr__(self) -> str:
+        return f"<exit {self.code} out={self.out[-500:]!r} err={self.err[-500:]!r}>"
+
+
+def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = None,
+            timeout: float = 120) -> CLIResult:
+    """`python -m vault ARGS` in a real subprocess."""
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vault", *args],
+        input=input if input is not None else "",
+        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT,
+    )
+    return CLIResult(proc)
+
+
+@pytest.fixture
+def cli() -> Any:
+    return run_cli
+
+
+@pytest.fixture
+def vault(vault_db: Path) -> Iterator[Any]:
+    """An initialised vault (real keyring); shredded afterwards if still there."""
+    from vault import Vault
+
+    v = Vault.init(vault_db, ttl=3600)
+    yield v
+    if vault_db.exists():
+        from vault.store import shred
+
+        try:
+            shred(vault_db)
+        except Exception:
+            pass
+
+
+def add_items(db: Path, session_id: str, items: list[Any]) -> None:
+    """Write items through the real SDK session, in this process."""
+    import vault as vault_pkg
+
+    async def go() -> None:
+        s = vault_pkg.open_session(session_id, db)
+        await s.add_items(items)
+        s.close()
+
+    asyncio.run(go())
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def raw_bytes(db: Path) -> bytes:
+    """Every byte of the database and its side files."""
+    out = b""
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        p = db.with_name(db.name + suffix)
+        if p.exists():
+            out += p.read_bytes()
+    return out
+
+
+def insert_sealed(db: Path, session_id: str, items: list[Any], at: int | None = None) -> None:
+    """Seal items with the vault's key at a chosen Fernet time and insert them with SQL."""
+    import sqlite3
+
+    from vault import Vault
+
+    sealer = Vault.open(db).sealer()
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("INSERT OR IGNORE INTO agent_sessions (session_id) VALUES (?)", (session_id,))
+        conn.executemany(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
+            [(session_id, sealer.seal(session_id, item, at)) for item in items],
+        )
+    conn.close()
+
+
+def rows(db: Path, session_id: str | None = None) -> list[str]:
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        if session_id is None:
+            return [r[0] for r in conn.execute("SELECT message_data FROM agent_messages ORDER BY id")]
+        return [r[0] for r in conn.execute(
+            "SELECT message_data FROM agent_messages WHERE session_id = ? ORDER BY id",
+            (session_id,))]
+    finally:
+        conn.close()

@@ -1,0 +1,64 @@
+"""Commands that run no agent must not import the Agents SDK (~2 s)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, add_items, user
+
+PROBE = """
+import sys, runpy
+sys.argv = ["memvault", *{args!r}]
+try:
+    runpy.run_module("vault", run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+loaded = sorted(m for m in sys.modules if m == "agents" or m.startswith("agents."))
+sys.stderr.write("\\nAGENTS-MODULES:" + ",".join(loaded) + "\\n")
+sys.stderr.write("EXIT:" + str(code) + "\\n")
+"""
+
+
+def probe(*args: str) -> tuple[int, list[str]]:
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(args=list(args))],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    lines = proc.stderr.splitlines()
+    mods = next(x for x in lines if x.startswith("AGENTS-MODULES:")).split(":", 1)[1]
+    code = next(x for x in lines if x.startswith("EXIT:")).split(":", 1)[1]
+    return int(code) if code.isdigit() else 1, [m for m in mods.split(",") if m]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["status"], ["sessions"], ["ttl"], ["ttl", "2h"], ["purge", "--yes"],
+     ["show", "s1"], ["pop", "s1"], ["log"], ["rotate"], ["clear", "s1", "--yes"]],
+)
+def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:
+    add_items(vault_db, "s1", [user("hello"), user("again")])
+    code, mods = probe(*args)
+    assert code == 0
+    assert mods == []
+
+
+def test_shred_does_not_import_agents(vault: Any) -> None:
+    code, mods = probe("shred", "--yes")
+    assert code == 0
+    assert mods == []
+
+
+def test_probe_detects_an_agents_import(vault: Any) -> None:
+    # Control: the probe sees the SDK when a command does load it.
+    code, mods = probe("demo", "--help")
+    assert code == 0
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.format(args=["--help"]).replace(
+            "runpy.run_module", "import agents; runpy.run_module")],
+        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert "AGENTS-MODULES:agents" in proc.stderr

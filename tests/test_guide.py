@@ -1,0 +1,79 @@
+"""The guide's four checks, each step in its own process (ScriptedModel, offline)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import ROOT, raw_bytes, run_cli
+
+CODE = "ZEPHYR-4821"
+
+
+def step(name: str, db: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vault.demo", name, str(db), CODE],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_four_checks(vault: Any, vault_db: Path) -> None:
+    # 1. A turn stores the code name; the process exits; the file stays.
+    out = step("write", vault_db)
+    assert out["items_after"] == 2
+    assert vault_db.exists()
+    items, _, _ = type(vault).open(vault_db).items("carnet-local")
+    assert any(CODE in json.dumps(i) for i in items if i.get("role") == "user")
+    data = raw_bytes(vault_db)
+    assert data, "no bytes read"
+    assert CODE.encode() not in data
+    assert b"Remember this code name" not in data
+
+    # 2. A second process finds the items, and the model is given the code name.
+    out = step("ask", vault_db)
+    assert out["items_before"] > 0
+    assert CODE in out["model_input"]
+    assert CODE in out["answer"]
+
+    # 3. `memvault clear` empties the session; the other session is untouched.
+    r = run_cli("clear", "carnet-local", "--yes")
+    assert r.code == 0, r
+    out = step("ask", vault_db)
+    assert out["items_before"] == 0
+    assert CODE not in out["model_input"]
+    assert CODE not in out["answer"]
+    others, _, _ = type(vault).open(vault_db).items("autre-session")
+    assert others == [{"role": "user", "content": "a turn of another session"}]
+
+    # 4. Negative control: the same id on an in-memory SQLiteSession finds nothing.
+    assert step("memory", vault_db)["items_before"] == 0
+
+
+def test_offline_model_answers_only_from_history() -> None:
+    from vault.demo import offline_answer
+
+    assert CODE in offline_answer([{"role": "user", "content": f"remember {CODE}"},
+                                   {"role": "user", "content": "which code?"}])
+    assert CODE not in offline_answer([{"role": "user", "content": "which code?"}])
+
+
+def test_demo_command_passes_and_cleans_up(tmp_path: Path) -> None:
+    import keyring
+
+    r = run_cli("demo", timeout=600, env={"TMPDIR": str(tmp_path)})
+    assert r.code == 0, r
+    assert "offline stand-in" in r.out
+    assert r.out.count("PASS") >= 9 and "FAIL" not in r.out
+    assert "all checks passed" in r.out
+    # The throwaway vault folder and its keyring entry are gone.
+    assert not list(tmp_path.glob("memvault-demo-*"))
+    ids = re.findall(r"throwaway vault .*, id (mv-[0-9a-f]+)", r.out)
+    assert len(ids) == 1, r.out
+    assert keyring.get_password("memvault", ids[0]) is None
+    assert keyring.get_password("memvault", ids[0] + ".next") is None
