@@ -8,6 +8,7 @@ touched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -56,8 +57,9 @@ class CLIResult:
         return f"<exit {self.code} out={self.out[-500:]!r} err={self.err[-500:]!r}>"
 
 
-def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = None,
-            timeout: float = 120) -> CLIResult:
+def run_cli(
+    *args: str, input: str | None = None, env: dict[str, str] | None = None, timeout: float = 120
+) -> CLIResult:
     """`python -m vault ARGS` in a real subprocess."""
     full_env = dict(os.environ)
     if env:
@@ -65,7 +67,11 @@ def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = N
     proc = subprocess.run(
         [sys.executable, "-m", "vault", *args],
         input=input if input is not None else "",
-        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=ROOT,
     )
     return CLIResult(proc)
 
@@ -85,10 +91,8 @@ def vault(vault_db: Path) -> Iterator[Any]:
     if vault_db.exists():
         from vault.store import shred
 
-        try:
+        with contextlib.suppress(Exception):
             shred(vault_db)
-        except Exception:
-            pass
 
 
 def add_items(db: Path, session_id: str, items: list[Any]) -> None:
@@ -144,9 +148,15 @@ def rows(db: Path, session_id: str | None = None) -> list[str]:
     conn = sqlite3.connect(db)
     try:
         if session_id is None:
-            return [r[0] for r in conn.execute("SELECT message_data FROM agent_messages ORDER BY id")]
-        return [r[0] for r in conn.execute(
-            "SELECT message_data FROM agent_messages WHERE session_id = ? ORDER BY id",
-            (session_id,))]
+            return [
+                r[0] for r in conn.execute("SELECT message_data FROM agent_messages ORDER BY id")
+            ]
+        return [
+            r[0]
+            for r in conn.execute(
+                "SELECT message_data FROM agent_messages WHERE session_id = ? ORDER BY id",
+                (session_id,),
+            )
+        ]
     finally:
         conn.close()

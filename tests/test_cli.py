@@ -15,8 +15,21 @@ import pytest
 from tests.conftest import add_items, assistant, insert_sealed, raw_bytes, rows, run_cli, user
 from vault import Vault
 
-COMMANDS = ["init", "status", "sessions", "show", "pop", "clear", "ttl", "purge", "rotate",
-            "revoke", "shred", "log", "demo"]
+COMMANDS = [
+    "init",
+    "status",
+    "sessions",
+    "show",
+    "pop",
+    "clear",
+    "ttl",
+    "purge",
+    "rotate",
+    "revoke",
+    "shred",
+    "log",
+    "demo",
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -107,8 +120,9 @@ def test_status_and_sessions_count_readable_expired_unreadable(vault: Any, vault
     with conn:
         data = json.loads(rows(vault_db, "b")[0])
         data["payload"] = data["payload"][:-8] + ("A" * 8)
-        conn.execute("UPDATE agent_messages SET message_data = ? WHERE session_id = 'b'",
-                     (json.dumps(data),))
+        conn.execute(
+            "UPDATE agent_messages SET message_data = ? WHERE session_id = 'b'", (json.dumps(data),)
+        )
     conn.close()
     st = run_cli("--json", "status").json()
     assert (st["items"], st["readable"], st["expired"], st["unreadable"]) == (4, 2, 1, 1)
@@ -127,7 +141,9 @@ def test_show_pop_and_limit(vault: Any, vault_db: Path) -> None:
     assert r.code == 0
     assert r.out.splitlines() == ["[1] user: one", "[2] assistant: two", "[3] user: three"]
     assert run_cli("--json", "show", "s", "--limit", "2").json()["items"] == [
-        assistant("two"), user("three")]
+        assistant("two"),
+        user("three"),
+    ]
     r = run_cli("--json", "pop", "s", "-n", "2")
     assert r.code == 0 and r.json()["popped"] == [user("three"), assistant("two")]
     assert run_cli("--json", "show", "s").json()["items"] == [user("one")]
@@ -139,12 +155,14 @@ def test_pop_refuses_an_item_that_does_not_authenticate(vault: Any, vault_db: Pa
 
     conn = sqlite3.connect(vault_db)
     with conn:
-        row_id, data = conn.execute("SELECT id, message_data FROM agent_messages "
-                                    "ORDER BY id DESC LIMIT 1").fetchone()
+        row_id, data = conn.execute(
+            "SELECT id, message_data FROM agent_messages ORDER BY id DESC LIMIT 1"
+        ).fetchone()
         env = json.loads(data)
         env["payload"] = env["payload"][:-4] + "AAAA"
-        conn.execute("UPDATE agent_messages SET message_data = ? WHERE id = ?",
-                     (json.dumps(env), row_id))
+        conn.execute(
+            "UPDATE agent_messages SET message_data = ? WHERE id = ?", (json.dumps(env), row_id)
+        )
     conn.close()
     before = rows(vault_db)
     r = run_cli("pop", "s")
@@ -187,8 +205,10 @@ def test_purge_deletes_only_authenticated_expired_items(vault: Any, vault_db: Pa
     with conn:
         env = json.loads(foreign)
         env["kid"] = vault.sealer().kid  # pass the trigger; still unreadable under our key
-        conn.execute("INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)",
-                     (json.dumps(env),))
+        conn.execute(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)",
+            (json.dumps(env),),
+        )
     conn.close()
     r = run_cli("--json", "purge", "--yes")
     assert r.code == 0, r
@@ -216,8 +236,9 @@ def test_shred_removes_key_rows_and_files(vault: Any, vault_db: Path, tmp_path: 
     rep = r.json()
     assert rep["items"] == 1 and rep["key_destroyed"] is True
     assert {f["name"] for f in rep["files"]} >= {"history.db"}
-    assert not any(vault_db.with_name(vault_db.name + s).exists()
-                   for s in ("", "-wal", "-shm", "-journal"))
+    assert not any(
+        vault_db.with_name(vault_db.name + s).exists() for s in ("", "-wal", "-shm", "-journal")
+    )
     assert keyring.get_password("memvault", vid) is None
     assert json.loads(receipt.read_text())["vault_id"] == vid
     assert stat.S_IMODE(os.stat(receipt).st_mode) == 0o600

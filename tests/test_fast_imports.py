@@ -27,8 +27,13 @@ sys.stderr.write("EXIT:" + str(code) + "\\n")
 
 
 def probe(*args: str) -> tuple[int, list[str]]:
-    proc = subprocess.run([sys.executable, "-c", PROBE.format(args=list(args))],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.format(args=list(args))],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     lines = proc.stderr.splitlines()
     mods = next(x for x in lines if x.startswith("AGENTS-MODULES:")).split(":", 1)[1]
     code = next(x for x in lines if x.startswith("EXIT:")).split(":", 1)[1]
@@ -37,8 +42,19 @@ def probe(*args: str) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize(
     "args",
-    [["--help"], ["status"], ["sessions"], ["ttl"], ["ttl", "2h"], ["purge", "--yes"],
-     ["show", "s1"], ["pop", "s1"], ["log"], ["rotate"], ["clear", "s1", "--yes"]],
+    [
+        ["--help"],
+        ["status"],
+        ["sessions"],
+        ["ttl"],
+        ["ttl", "2h"],
+        ["purge", "--yes"],
+        ["show", "s1"],
+        ["pop", "s1"],
+        ["log"],
+        ["rotate"],
+        ["clear", "s1", "--yes"],
+    ],
 )
 def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:
     add_items(vault_db, "s1", [user("hello"), user("again")])
@@ -58,7 +74,16 @@ def test_probe_detects_an_agents_import(vault: Any) -> None:
     code, mods = probe("demo", "--help")
     assert code == 0
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE.format(args=["--help"]).replace(
-            "runpy.run_module", "import agents; runpy.run_module")],
-        capture_output=True, text=True, cwd=ROOT, timeout=60)
+        [
+            sys.executable,
+            "-c",
+            PROBE.format(args=["--help"]).replace(
+                "runpy.run_module", "import agents; runpy.run_module"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert "AGENTS-MODULES:agents" in proc.stderr

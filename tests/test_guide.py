@@ -17,7 +17,10 @@ CODE = "ZEPHYR-4821"
 def step(name: str, db: Path) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "vault.demo", name, str(db), CODE],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -58,8 +61,12 @@ def test_four_checks(vault: Any, vault_db: Path) -> None:
 def test_offline_model_answers_only_from_history() -> None:
     from vault.demo import offline_answer
 
-    assert CODE in offline_answer([{"role": "user", "content": f"remember {CODE}"},
-                                   {"role": "user", "content": "which code?"}])
+    assert CODE in offline_answer(
+        [
+            {"role": "user", "content": f"remember {CODE}"},
+            {"role": "user", "content": "which code?"},
+        ]
+    )
     assert CODE not in offline_answer([{"role": "user", "content": "which code?"}])
 
 

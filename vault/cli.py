@@ -116,15 +116,22 @@ def duration(_ctx: click.Context | None, _param: click.Parameter | None, value: 
 class VaultGroup(click.Group):
     """Turns every failure into one line on stderr and its documented exit code."""
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        standalone = kwargs.pop("standalone_mode", True)
+    def main(
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        standalone = standalone_mode
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            rv = super().main(args, prog_name, complete_var, False, **extra)
         except click.exceptions.UsageError as exc:
             hint = ""
             if exc.ctx is not None:
                 hint = f"; see `{exc.ctx.command_path} --help`"
-            _fail(f"{_one_line(exc.format_message())}{hint}", exc.exit_code)
+            _fail(f"{_one_line(exc.format_message()).rstrip('.')}{hint}", exc.exit_code)
         except click.exceptions.Abort:
             _fail("aborted; nothing was changed (pass --yes to skip the question)", EXIT_FAILED)
         except click.exceptions.ClickException as exc:
@@ -214,8 +221,9 @@ def init(ttl: Any) -> None:
     emit(
         data,
         lambda: click.echo(
-            f"created vault {data['path']}\n  key id  {data['kid']} (key stored in {data['keyring']})"
-            f"\n  ttl     {data['ttl']}"
+            f"created vault {data['path']}\n"
+            f"  key id  {data['kid']} (key stored in {data['keyring']})\n"
+            f"  ttl     {data['ttl']}"
         ),
     )
 
@@ -306,10 +314,12 @@ def show(session_id: str, limit: int | None) -> None:
       memvault show carnet-local --limit 10
     """
     items, expired, unreadable = open_vault().items(session_id, limit)
-    emit(
-        {"session_id": session_id, "items": items, "expired": expired, "unreadable": unreadable},
-        lambda: [click.echo(f"[{i}] {_item_text(it)}") for i, it in enumerate(items, 1)],
-    )
+    def human() -> None:
+        for i, it in enumerate(items, 1):
+            click.echo(f"[{i}] {_item_text(it)}")
+
+    data = {"session_id": session_id, "items": items, "expired": expired, "unreadable": unreadable}
+    emit(data, human)
     if unreadable:
         raise VaultError(
             f"{unreadable} item(s) of session {session_id!r} failed authentication (tampered, "

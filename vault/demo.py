@@ -125,7 +125,9 @@ async def step(name: str, db: str, code: str) -> dict[str, Any]:
 def _run_step(name: str, db: Path, code: str) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "vault.demo", name, str(db), code],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -157,11 +159,18 @@ def run_demo(keep: bool = False, echo: Callable[[str], Any] = print) -> bool:
         echo(f"   answer: {out['answer']}")
         items, _, _ = Vault.open(db).items(SESSION)
         stored = json.dumps(items, ensure_ascii=False)
-        raw = b"".join(p.read_bytes() for p in (db, *[db.with_name(db.name + s)
-                       for s in ("-wal", "-shm")]) if p.exists())
+        raw = b"".join(
+            p.read_bytes()
+            for p in (db, *[db.with_name(db.name + s) for s in ("-wal", "-shm")])
+            if p.exists()
+        )
         verdict(db.exists(), "the process exited and the vault file is on disk")
-        verdict(code in stored, f"a stored item decrypts to the code name ({out['items_after']} items)")
-        verdict(code.encode() not in raw, "the raw bytes of the file, -wal and -shm do not contain it")
+        verdict(
+            code in stored, f"a stored item decrypts to the code name ({out['items_after']} items)"
+        )
+        verdict(
+            code.encode() not in raw, "the raw bytes of the file, -wal and -shm do not contain it"
+        )
 
         echo("\n2. recall in a new process (process 2)")
         out = _run_step("ask", db, code)
@@ -174,7 +183,9 @@ def run_demo(keep: bool = False, echo: Callable[[str], Any] = print) -> bool:
         echo("\n3. clear, then ask again (memvault clear, then process 3)")
         proc = subprocess.run(
             [sys.executable, "-m", "vault", "--db", str(db), "clear", SESSION, "--yes"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         echo(f"   {proc.stdout.strip() or proc.stderr.strip()}")
         out = _run_step("ask", db, code)

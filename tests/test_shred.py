@@ -1,0 +1,96 @@
+"""shred: lock, key first, rows, then every file overwritten and unlinked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import keyring
+import pytest
+
+from tests.conftest import add_items, raw_bytes, run_cli, user
+
+FILES = ("", "-wal", "-shm", "-journal")
+
+
+def gone(db: Path) -> bool:
+    return not any(db.with_name(db.name + s).exists() for s in FILES)
+
+
+def test_shred_refuses_while_another_process_uses_the_vault(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("x")])
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            f"c = sqlite3.connect({str(vault_db)!r})\n"
+            "c.execute('SELECT count(*) FROM agent_messages').fetchall()\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout and holder.stdout.readline().strip() == "ready"
+        before = raw_bytes(vault_db)
+        r = run_cli("shred", "--yes")
+        assert r.code == 5, r
+        assert "in use by another process" in r.err and len(r.err.strip().splitlines()) == 1
+        assert keyring.get_password("memvault", vault.vault_id)  # key not destroyed
+        assert raw_bytes(vault_db) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_cli("shred", "--yes").code == 0
+    assert gone(vault_db)
+
+
+def test_shred_works_after_revoke_and_without_the_key(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("x")])
+    assert run_cli("revoke", "--yes").code == 0
+    r = run_cli("--json", "shred", "--yes")
+    assert r.code == 0, r
+    assert r.json()["key_destroyed"] is False and gone(vault_db)
+
+
+def test_shred_with_keyring_entry_already_gone(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("x")])
+    keyring.delete_password("memvault", vault.vault_id)
+    r = run_cli("--json", "shred", "--yes")
+    assert r.code == 0, r
+    assert r.json()["items"] == 1 and gone(vault_db)
+
+
+@pytest.mark.parametrize("point", ["shred-after-key", "shred-after-rows", "shred-during-overwrite"])
+def test_shred_killed_half_way_is_finished_by_the_next_run(
+    vault: Any, vault_db: Path, point: str
+) -> None:
+    add_items(vault_db, "s", [user("SHRED-ME-" + "x" * 3000) for _ in range(30)])
+    vid = vault.vault_id
+    r = run_cli("shred", "--yes", env={"MEMVAULT_FAILPOINT": point})
+    assert r.code == -9, r  # SIGKILL
+    # Whatever remains, the key is gone already: only unreadable ciphertext is left.
+    assert keyring.get_password("memvault", vid) is None
+    assert keyring.get_password("memvault", vid + ".next") is None
+    r = run_cli("--json", "shred", "--yes")
+    assert r.code == 0, r
+    assert gone(vault_db)
+
+
+def test_shred_overwrites_before_unlinking(vault: Any, vault_db: Path) -> None:
+    # Hold the inode open from another descriptor and read it after the unlink:
+    # what the disk blocks held at the end must be zeros and the stamp, no ciphertext.
+    add_items(vault_db, "s", [user("y" * 2000) for _ in range(20)])
+    time.sleep(0)  # make sure the session closed its connections
+    with open(vault_db, "rb") as fh:
+        assert run_cli("shred", "--yes").code == 0
+        fh.seek(0)
+        after = fh.read()
+    assert after.startswith(b"memvault-shred")
+    body = after.split(b"\n", 1)[1]
+    assert body.strip(b"\x00") == b""
