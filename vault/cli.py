@@ -580,3 +580,231 @@ def demo(keep: bool) -> None:
     ok = run_demo(keep=keep, echo=click.echo)
     if not ok:
         raise VaultError("the demo found a failing check (see above)")
+
+
+# ----------------------------------------------------------------------------
+# Living with the vault: import, the recovery kit, chat. Logic in vault.importer,
+# vault.kit and vault.chat; modules imported inside each command.
+# ----------------------------------------------------------------------------
+@cli.command("import")
+@click.argument("plain_db", metavar="PLAIN_DB")
+@click.option("--session", "session_id", metavar="ID", help="Import only this session.")
+@click.option(
+    "--sessions-table",
+    metavar="NAME",
+    help="The source's sessions table, if it is not found by its shape.",
+)
+@click.option(
+    "--messages-table",
+    metavar="NAME",
+    help="The source's messages table, if it is not found by its shape.",
+)
+@click.option(
+    "--shred-source",
+    is_flag=True,
+    help="After a verified import, destroy PLAIN_DB: rows, then the file, -wal, -shm, -journal.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (--shred-source).")
+@common
+def import_cmd(
+    plain_db: str,
+    session_id: str | None,
+    sessions_table: str | None,
+    messages_table: str | None,
+    shred_source: bool,
+    yes: bool,
+) -> None:
+    """Encrypt a plaintext SQLiteSession file (such as carnet.db) into the vault.
+
+    Every session (or only --session ID) is sealed with the vault's key and
+    written in one transaction per session, in the original order, then read
+    back and compared before it counts as imported. Custom table names are
+    recognised by their shape. The TTL of imported items counts from the import.
+
+    Refuses, importing nothing: a file that is not a plaintext SQLiteSession
+    file (exit 1), a session id already in the vault (exit 1), a missing file
+    (exit 2), and with --shred-source a source still open elsewhere (exit 5)
+    or holding tables or sessions the import would not carry over (exit 1).
+
+    \b
+    Example:
+      memvault import carnet.db
+      memvault import app.db --session carnet-local --sessions-table my_sessions \\
+          --messages-table my_messages
+      memvault import carnet.db --shred-source --yes
+    """
+    from .importer import Importer
+
+    vault = open_vault()
+    vault.sealer()  # fail on the key before reading anything
+    with Importer(vault, plain_db, session_id, sessions_table, messages_table,
+                  shred_source) as importer:
+        plan = importer.plan
+        if shred_source:
+            confirm(
+                f"Import {len(plan.sessions)} session(s) ({plan.total_items} item(s)), then "
+                f"destroy {plan.source} and its side files?",
+                yes,
+            )
+        with progress(plan.total_items, "importing") as bar:
+            r = importer.run(progress=bar)
+
+    def human() -> None:
+        click.echo(
+            f"imported {r['items']} item(s) in {len(r['sessions'])} session(s) from "
+            f"{r['source']} (tables {r['tables']['sessions']}/{r['tables']['messages']}), "
+            f"sealed with key {r['kid']}; counts and contents verified"
+        )
+        for s in r["sessions"]:
+            click.echo(f"  {s['session_id']:<30} {s['items']:>6} item(s)")
+        shredded = r["source_shredded"]
+        if shredded:
+            click.echo(
+                f"destroyed the source: {shredded['rows']} row(s) deleted, then "
+                + ", ".join(f"{f['name']} ({f['size']} bytes)" for f in shredded["files"])
+                + " overwritten and removed"
+            )
+
+    emit(r, human)
+
+
+@cli.group("key")
+def key_group() -> None:
+    """The recovery kit: the master key wrapped under a passphrase, in a file.
+
+    Keep the kit apart from the vault file. A rotation or a revocation makes
+    older kits useless: export a new kit after each rotation.
+
+    \b
+    Example:
+      memvault key export ~/memvault-kit.json
+      memvault key import ~/memvault-kit.json
+    """
+
+
+def _read_passphrase(twice: bool) -> str:
+    """Asked (hidden, twice for a new kit) on a terminal; else one line of stdin."""
+    if sys.stdin.isatty():
+        return str(
+            click.prompt(
+                "Recovery kit passphrase",
+                hide_input=True,
+                confirmation_prompt="Repeat the passphrase" if twice else False,
+                err=True,
+            )
+        )
+    return sys.stdin.readline().rstrip("\r\n")
+
+
+@key_group.command("export")
+@click.argument("file", metavar="FILE")
+@click.option("--force", is_flag=True, help="Replace FILE if it exists.")
+@common
+def key_export(file: str, force: bool) -> None:
+    """Write the master key, wrapped under a passphrase, to FILE (mode 0600).
+
+    scrypt derives a key from the passphrase; AES-256-GCM seals the master key
+    and authenticates the kit's header (vault id, key id, parameters). The
+    passphrase is asked twice on a terminal, else read as one line from stdin.
+    The key itself is never printed. Refuses an existing FILE unless --force.
+
+    \b
+    Example:
+      memvault key export ~/memvault-kit.json
+      printf '%s\\n' "$PASSPHRASE" | memvault key export kit.json
+    """
+    from .kit import SHORT_PASSPHRASE, check_passphrase, export_kit
+
+    vault = open_vault()
+    vault.sealer()  # a working key, before asking anything
+    passphrase = _read_passphrase(twice=True)
+    check_passphrase(passphrase)
+    if len(passphrase) < SHORT_PASSPHRASE:
+        click.echo(
+            f"warning: the passphrase is shorter than {SHORT_PASSPHRASE} characters; anyone "
+            "holding the kit file can try to guess it offline",
+            err=True,
+        )
+    r = export_kit(vault, file, passphrase, force=force)
+    emit(
+        r,
+        lambda: click.echo(
+            f"wrote recovery kit {r['path']} (mode 0600) for vault {r['vault_id']}, key "
+            f"{r['kid']}\n  keep it away from the vault file; a rotation makes it useless"
+        ),
+    )
+
+
+@key_group.command("import")
+@click.argument("file", metavar="FILE")
+@click.option("--yes", is_flag=True, help="Replace a keyring key that does not open the vault.")
+@common
+def key_import(file: str, yes: bool) -> None:
+    """Restore the master key from a recovery kit into the OS keyring.
+
+    The kit must come from this vault and its current key: a kit from another
+    vault, or from before a rotation, is refused naming both ids. A keyring key
+    that already opens the vault is left alone; one that does not is replaced
+    after a question (or --yes). The passphrase is asked on a terminal, else
+    read as one line from stdin. The key itself is never printed.
+
+    \b
+    Exit codes:
+      1  the kit does not open: wrong passphrase, altered kit, or not a kit
+      3  no vault at that path
+      4  the kit's key does not fit this vault (another vault, a rotation since,
+         revoked), or the keyring is unusable
+
+    \b
+    Example (new laptop, after copying the vault file and the kit):
+      memvault --db ~/history.db key import ~/memvault-kit.json
+    """
+    from .kit import import_kit
+
+    vault = open_vault()
+
+    def ask_replace(old_kid: str) -> None:
+        confirm(
+            f"The keyring holds key {old_kid} for this vault, which does not open it. "
+            "Replace it with the kit's key?",
+            yes,
+        )
+
+    r = import_kit(vault, file, lambda: _read_passphrase(twice=False), ask_replace)
+
+    def human() -> None:
+        if r["restored"]:
+            extra = f" (replaced key {r['replaced_kid']})" if r["replaced_kid"] else ""
+            click.echo(
+                f"restored key {r['kid']} of vault {r['vault_id']} into {r['keyring']}{extra}; "
+                "the vault opens again"
+            )
+        else:
+            click.echo(
+                f"kit verified: the keyring already holds key {r['kid']} of vault "
+                f"{r['vault_id']}; nothing was changed"
+            )
+
+    emit(r, human)
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION")
+@click.option("--model", "model", metavar="M", help="Model name (default: the SDK's default).")
+@common
+def chat(session_id: str, model: str | None) -> int:
+    """Talk to an agent whose history lives, encrypted, in SESSION of the vault.
+
+    Resumes where the last run stopped and streams the replies. At the prompt:
+    /undo removes the last turn (the replies and your message), /clear empties
+    the session, /exit (or Ctrl-D) leaves. Needs OPENAI_API_KEY (exit 4
+    without it). SDK tracing is off: the conversation goes only to the model.
+
+    \b
+    Example:
+      export OPENAI_API_KEY=sk-...
+      memvault chat carnet-local --model gpt-4.1-mini
+    """
+    from .chat import run_chat
+
+    return run_chat(state().db, session_id, model)

@@ -1,0 +1,369 @@
+"""The recovery kit (`memvault key export` / `key import`), against the real keyring."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pty
+import select
+import shutil
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import ROOT, add_items, assistant, run_cli, user
+
+PASS = "correct horse battery staple"
+HISTORY = [user("the code name is NORD-42"), assistant("Noted: NORD-42.")]
+
+
+def keyring_key(vault: Any) -> str:
+    key = vault.keystore.get(vault.vault_id)
+    assert key
+    return str(key)
+
+
+def no_secret(key: str, *results: Any) -> None:
+    """The key appears in no output, in no encoding we might have used."""
+    raw = base64.urlsafe_b64decode(key)
+    forms = [key, key.rstrip("="), raw.hex(), base64.b64encode(raw).decode()]
+    for r in results:
+        for text in (r.out, r.err):
+            for form in forms:
+                assert form not in text, "the key was printed"
+
+
+def one_line_error(r: Any) -> str:
+    assert r.err.count("\n") == 1, r
+    assert r.err.startswith("memvault: error: ") and "Traceback" not in r.err, r
+    return str(r.err)
+
+
+def export(kit: Path, *args: str, passphrase: str = PASS) -> Any:
+    return run_cli(*args, "key", "export", str(kit), input=passphrase + "\n")
+
+
+def import_(kit: Path, *args: str, passphrase: str = PASS, extra: str = "") -> Any:
+    return run_cli(*args, "key", "import", str(kit), input=passphrase + "\n" + extra)
+
+
+def copy_vault(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(mode=0o700)
+    for suffix in ("", "-wal", "-shm"):
+        p = src.with_name(src.name + suffix)
+        if p.exists():
+            shutil.copy2(p, dest.with_name(dest.name + suffix))
+
+
+# --------------------------------------------------------------------------
+def test_new_laptop_round_trip(vault: Any, vault_db: Path, tmp_path: Path) -> None:
+    add_items(vault_db, "carnet-local", HISTORY)
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+
+    old_umask = os.umask(0)  # the child inherits a wide-open umask: 0600 must still hold
+    try:
+        r_export = export(kit)
+    finally:
+        os.umask(old_umask)
+    assert r_export.code == 0, r_export
+    assert stat.S_IMODE(kit.stat().st_mode) == 0o600
+    doc = json.loads(kit.read_text())
+    assert doc["version"] == 1 and doc["vault_id"] == vault.vault_id
+    assert doc["kid"] == vault.meta()["kid"]
+    assert doc["kdf"]["name"] == "scrypt" and doc["kdf"]["n"] >= 2**14
+    assert {"salt", "n", "r", "p"} <= set(doc["kdf"]) and doc["nonce"] and doc["ciphertext"]
+    assert key not in kit.read_text()
+    assert base64.urlsafe_b64decode(key) not in kit.read_bytes()
+
+    # The new laptop: a copy of the vault file, and a keyring without the key.
+    laptop = tmp_path / "laptop" / "history.db"
+    copy_vault(vault_db, laptop)
+    assert vault.keystore.delete(vault.vault_id)
+    r_show = run_cli("--db", str(laptop), "show", "carnet-local")
+    assert r_show.code == 4, r_show
+    assert "key import" in one_line_error(r_show)
+
+    r_import = import_(kit, "--db", str(laptop))
+    assert r_import.code == 0, r_import
+    assert "restored key" in r_import.out
+    assert vault.keystore.get(vault.vault_id) == key
+
+    r_show = run_cli("--db", str(laptop), "--json", "show", "carnet-local")
+    assert r_show.code == 0, r_show
+    assert r_show.json()["items"] == HISTORY
+    no_secret(key, r_export, r_import, r_show)
+
+    events = {e["event"]: e for e in type(vault).open(laptop).audit_log()}
+    assert events["key-export"]["kid"] == doc["kid"]
+    assert events["key-import"]["keyring_before"] == "missing"
+    log = run_cli("--db", str(laptop), "log")
+    assert log.code == 0 and "key-import" in log.out
+    no_secret(key, log)
+
+
+def test_wrong_passphrase(vault: Any, tmp_path: Path) -> None:
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    assert vault.keystore.delete(vault.vault_id)
+    r = import_(kit, passphrase="not the passphrase")
+    assert r.code == 1, r
+    assert "wrong passphrase" in one_line_error(r)
+    assert vault.keystore.get(vault.vault_id) is None  # nothing was stored
+    no_secret(key, r)
+    assert import_(kit).code == 0
+    assert vault.keystore.get(vault.vault_id) == key
+
+
+def test_tampered_kit(vault: Any, tmp_path: Path) -> None:
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    assert vault.keystore.delete(vault.vault_id)
+    doc = json.loads(kit.read_text())
+
+    def variant(name: str, change: Any) -> Path:
+        d = json.loads(json.dumps(doc))
+        change(d)
+        p = tmp_path / name
+        p.write_text(json.dumps(d))
+        return p
+
+    def flip(b64: str) -> str:
+        raw = bytearray(base64.b64decode(b64))
+        raw[len(raw) // 2] ^= 0x01
+        return base64.b64encode(bytes(raw)).decode()
+
+    authenticated = [
+        variant("ciphertext.json", lambda d: d.update(ciphertext=flip(d["ciphertext"]))),
+        variant("nonce.json", lambda d: d.update(nonce=flip(d["nonce"]))),
+        variant("salt.json", lambda d: d["kdf"].update(salt=flip(d["kdf"]["salt"]))),
+        variant("created.json", lambda d: d.update(created_at="2000-01-01T00:00:00Z")),
+    ]
+    for p in authenticated:
+        r = import_(p)
+        assert r.code == 1, (p.name, r)
+        assert "did not open: wrong passphrase, or the kit was altered" in one_line_error(r)
+        no_secret(key, r)
+
+    malformed = [
+        variant("params.json", lambda d: d["kdf"].update(n=2**40)),
+        variant("version.json", lambda d: d.update(version=99)),
+        variant("nonce-len.json", lambda d: d.update(nonce=base64.b64encode(b"x").decode())),
+    ]
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{ not json")
+    for p in [*malformed, garbage]:
+        r = import_(p)
+        assert r.code == 1, (p.name, r)
+        assert "not a usable memvault recovery kit" in one_line_error(r)
+    assert vault.keystore.get(vault.vault_id) is None
+    assert import_(kit).code == 0  # the untouched kit still works
+
+
+def test_kit_from_another_vault(vault: Any, tmp_path: Path) -> None:
+    from vault import Vault
+    from vault.store import shred
+
+    other_db = tmp_path / "other" / "history.db"
+    other = Vault.init(other_db)
+    try:
+        kit = tmp_path / "other-kit.json"
+        assert export(kit, "--db", str(other_db)).code == 0
+        assert vault.keystore.delete(vault.vault_id)
+        r = import_(kit)
+        assert r.code == 4, r
+        err = one_line_error(r)
+        assert other.vault_id in err and vault.vault_id in err
+        assert vault.keystore.get(vault.vault_id) is None
+        no_secret(keyring_key(other), r)
+    finally:
+        shred(other_db)
+
+
+def test_kit_from_before_a_rotation(vault: Any, vault_db: Path, tmp_path: Path) -> None:
+    add_items(vault_db, "carnet-local", HISTORY)
+    old_kid = vault.meta()["kid"]
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    r = run_cli("rotate")
+    assert r.code == 0, r
+    assert "older recovery kits no longer match" in r.out
+    new_kid = vault.meta()["kid"]
+    assert new_kid != old_kid
+    new_key = keyring_key(vault)
+
+    r = import_(kit)
+    assert r.code == 4, r
+    err = one_line_error(r)
+    assert old_kid in err and new_kid in err and "rotation" in err
+    assert vault.keystore.get(vault.vault_id) == new_key
+
+    # Claiming the new key id in the header does not help: it is authenticated data.
+    doc = json.loads(kit.read_text())
+    doc["kid"] = new_kid
+    forged = tmp_path / "forged.json"
+    forged.write_text(json.dumps(doc))
+    r = import_(forged)
+    assert r.code == 1, r
+    assert "altered" in one_line_error(r)
+    assert vault.keystore.get(vault.vault_id) == new_key
+
+    # A kit exported after the rotation works.
+    fresh = tmp_path / "fresh.json"
+    assert export(fresh).code == 0
+    assert vault.keystore.delete(vault.vault_id)
+    assert import_(fresh).code == 0
+    assert run_cli("--json", "show", "carnet-local").json()["items"] == HISTORY
+
+
+def test_revoked_vault_refuses_a_kit(vault: Any, tmp_path: Path) -> None:
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    assert run_cli("revoke", "--yes").code == 0
+    r = import_(kit)
+    assert r.code == 4, r
+    assert "revoked" in one_line_error(r)
+    assert vault.keystore.get(vault.vault_id) is None
+
+
+def test_import_leaves_a_working_key_alone(vault: Any, tmp_path: Path) -> None:
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    r = import_(kit)
+    assert r.code == 0, r
+    assert "already holds" in r.out and "nothing was changed" in r.out
+    assert vault.keystore.get(vault.vault_id) == key
+    no_secret(key, r)
+
+
+def test_import_replaces_a_key_that_does_not_open_the_vault(vault: Any, vault_db: Path,
+                                                            tmp_path: Path) -> None:
+    from vault import crypto
+
+    add_items(vault_db, "carnet-local", HISTORY)
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    stranger = crypto.generate_key()
+    vault.keystore.set(vault.vault_id, stranger)
+    assert run_cli("show", "carnet-local").code == 4
+
+    # Asked first; no answer means no change.
+    r = import_(kit)
+    assert r.code == 1, r
+    assert "aborted" in r.err
+    assert vault.keystore.get(vault.vault_id) == stranger
+
+    r = run_cli("key", "import", str(kit), "--yes", input=PASS + "\n")
+    assert r.code == 0, r
+    assert "replaced key " + crypto.key_id(stranger) in r.out
+    assert vault.keystore.get(vault.vault_id) == key
+    assert run_cli("--json", "show", "carnet-local").json()["items"] == HISTORY
+    no_secret(key, r)
+    event = [e for e in vault.audit_log() if e["event"] == "key-import"][-1]
+    assert event["keyring_before"] == "mismatched"
+    assert event["replaced_kid"] == crypto.key_id(stranger)
+
+
+def test_export_refusals(vault: Any, tmp_path: Path) -> None:
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    kit.write_text("precious\n")
+    r = export(kit)
+    assert r.code == 1 and "already exists" in one_line_error(r)
+    assert kit.read_text() == "precious\n"
+
+    r = export(tmp_path / "empty.json", passphrase="")
+    assert r.code == 2 and "passphrase is empty" in one_line_error(r)
+    assert not (tmp_path / "empty.json").exists()
+
+    r = export(tmp_path / "short.json", passphrase="short")
+    assert r.code == 0 and "shorter than" in r.err
+
+    kit.chmod(0o644)
+    r = run_cli("key", "export", str(kit), "--force", input=PASS + "\n")
+    assert r.code == 0, r
+    assert stat.S_IMODE(kit.stat().st_mode) == 0o600
+    assert json.loads(kit.read_text())["vault_id"] == vault.vault_id
+
+    assert vault.keystore.delete(vault.vault_id)
+    r = export(tmp_path / "nokey.json")
+    assert r.code == 4, r
+    assert not (tmp_path / "nokey.json").exists()
+    no_secret(key, r)
+
+
+# --------------------------------------------------------------------------
+# On a terminal: hidden prompts, the new passphrase asked twice.
+# --------------------------------------------------------------------------
+def run_on_terminal(args: list[str], answers: list[tuple[bytes, str]],
+                    timeout: float = 120) -> tuple[int, bytes]:
+    """Run `python -m vault ARGS` on a pseudo-terminal, answering each prompt in turn."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its stdin, stdout, stderr and controlling tty
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "vault", *args])
+    output = b""
+    seen = 0
+    pending = list(answers)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            if pending and pending[0][0] in output[seen:]:
+                prompt, answer = pending.pop(0)
+                seen = output.index(prompt, seen) + len(prompt)
+                os.write(fd, answer.encode() + b"\r")
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert not pending, output
+    return os.waitstatus_to_exitcode(status), output
+
+
+def test_terminal_asks_twice_and_hides_the_passphrase(vault: Any, tmp_path: Path) -> None:
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    code, out = run_on_terminal(
+        ["key", "export", str(kit)],
+        [
+            (b"Recovery kit passphrase: ", "first try"),
+            (b"Repeat the passphrase: ", "a typo"),
+            (b"Recovery kit passphrase: ", PASS),
+            (b"Repeat the passphrase: ", PASS),
+        ],
+    )
+    assert code == 0, out
+    assert b"do not match" in out
+    assert PASS.encode() not in out and b"first try" not in out  # never echoed
+    assert key.encode() not in out
+    assert stat.S_IMODE(kit.stat().st_mode) == 0o600
+
+    assert vault.keystore.delete(vault.vault_id)
+    code, out = run_on_terminal(["key", "import", str(kit)],
+                                [(b"Recovery kit passphrase: ", PASS)])
+    assert code == 0, out
+    assert b"restored key" in out and b"Repeat" not in out
+    assert vault.keystore.get(vault.vault_id) == key
+
+
+def test_help_of_the_key_commands_has_an_example() -> None:
+    for args in (["key"], ["key", "export"], ["key", "import"]):
+        r = run_cli(*args, "--help")
+        assert r.code == 0, r
+        assert "Usage: memvault " + " ".join(args) in r.out and "Example" in r.out
+    assert "Exit codes" in run_cli("key", "import", "--help").out

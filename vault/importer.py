@@ -1,0 +1,542 @@
+"""`memvault import`: encrypt a plaintext `SQLiteSession` file into the vault.
+
+The source is any SQLite file written by the SDK's `SQLiteSession`, with its
+default table names (`agent_sessions` / `agent_messages`) or custom ones. The
+tables are recognised by their shape (the SDK's exact columns, the messages
+table's foreign key to the sessions table) or named with `sessions_table` /
+`messages_table`.
+
+Guarantees:
+
+* Every item is sealed with the vault's current key (`crypto.Sealer.seal`) and
+  a session's rows go in with ONE transaction: a session is imported whole or
+  not at all. Inside that transaction the rows are read back, decrypted and
+  compared (count and content digest, in order) with the source before COMMIT.
+* Nothing is imported when a session id is already in the vault, or when the
+  source is not a plaintext SQLiteSession file (not SQLite, no tables of the
+  SDK's shape, a memvault vault, EncryptedSession envelopes, rows that are not
+  JSON): each refusal names the reason.
+* Item order is kept (source `id` order), and so are the rows' `created_at`
+  columns. The Fernet timestamps, which the TTL reads, are the time of the
+  import: the TTL of imported items counts from the import.
+* `shred_source=True` takes an exclusive lock on the source first (refusing,
+  exit 5, while another process has it open), so nothing can be added to it
+  between the read and the destruction; after every session is in the vault
+  it deletes the rows with secure_delete, checkpoints, overwrites the WAL, the
+  database, -shm and -journal, fsyncs and unlinks them, then fsyncs the folder.
+  It refuses, before importing anything, a source that holds data the import
+  does not carry over (other tables, or other sessions when one is chosen).
+
+This module never imports `agents`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sqlite3
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import crypto, paths
+from .errors import BadInput, OperationFailed, UnknownSession, VaultBusy
+from .store import (
+    MESSAGES_TABLE,
+    SESSIONS_TABLE,
+    SQLITE_MAGIC,
+    Progress,
+    Vault,
+    _audit,
+    _fsync_dir,
+    _overwrite,
+    failpoint,
+    utcnow,
+)
+
+SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
+MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")
+# Tables SQLite itself keeps; they are not the user's data.
+_INTERNAL_TABLES = ("sqlite_sequence", "sqlite_stat1", "sqlite_stat2", "sqlite_stat3",
+                    "sqlite_stat4")
+BATCH = 500
+# How long the exclusive lock on the source may be waited for (--shred-source).
+SOURCE_LOCK_WAIT = 2.0
+
+
+def _q(name: str) -> str:
+    """Quote an SQL identifier (custom table names come from the source file)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _digest_update(h: Any, item: Any) -> None:
+    h.update(json.dumps(item, sort_keys=True, ensure_ascii=False, separators=(",", ":"),
+                        default=str).encode("utf-8"))
+    h.update(b"\n")
+
+
+@dataclass
+class SourceSession:
+    session_id: str
+    items: int
+    created_at: str | None = None
+    updated_at: str | None = None
+
+
+@dataclass
+class Plan:
+    """What an import will do; built and checked before anything is written."""
+
+    source: Path
+    sessions_table: str
+    messages_table: str
+    sessions: list[SourceSession]
+    other_tables: list[str] = field(default_factory=list)
+    shred_source: bool = False
+
+    @property
+    def total_items(self) -> int:
+        return sum(s.items for s in self.sessions)
+
+
+class Importer:
+    """Open, inspect and check a source; then `run()` imports it (and shreds it).
+
+    Use as a context manager: the source connection (and, with `shred_source`,
+    its exclusive lock) is held from `open` to the end, so the rows read are
+    the rows destroyed.
+    """
+
+    def __init__(
+        self,
+        vault: Vault,
+        source: str | Path,
+        session_id: str | None = None,
+        sessions_table: str | None = None,
+        messages_table: str | None = None,
+        shred_source: bool = False,
+    ) -> None:
+        self.vault = vault
+        self.source = Path(source).expanduser().absolute()
+        self.session_id = session_id
+        self.shred_source = shred_source
+        self._conn: sqlite3.Connection | None = None
+        self._check_file()
+        self._conn = self._open_source()
+        try:
+            self.plan = self._inspect(sessions_table, messages_table)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Importer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        assert self._conn is not None, "the importer is closed"
+        return self._conn
+
+    # -- inspection -----------------------------------------------------
+    def _check_file(self) -> None:
+        src = self.source
+        if not src.exists():
+            raise BadInput(f"no file at {src}; give the path of a plaintext SQLiteSession file")
+        if src.is_dir():
+            raise BadInput(f"{src} is a folder; give the path of a SQLiteSession database file")
+        if src == self.vault.path:
+            raise OperationFailed(f"{src} is the vault itself; give a plaintext SQLiteSession file")
+        try:
+            with open(src, "rb") as fh:
+                header = fh.read(len(SQLITE_MAGIC))
+        except OSError as exc:
+            raise OperationFailed(f"cannot read {src} ({exc.strerror}); check its permissions") \
+                from None
+        if header != SQLITE_MAGIC:
+            raise OperationFailed(
+                f"{src} is not a SQLite database, so it is not a SQLiteSession file; "
+                "nothing was imported"
+            )
+
+    def _open_source(self) -> sqlite3.Connection:
+        src = self.source
+        uri = "file:" + urllib.parse.quote(str(src)) + ("?mode=rw" if self.shred_source
+                                                         else "?mode=ro")
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None,
+                                   timeout=SOURCE_LOCK_WAIT, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise OperationFailed(f"cannot open {src} ({exc}); nothing was imported") from None
+        try:
+            if self.shred_source:
+                conn.execute("PRAGMA secure_delete = ON")
+                # Held until close, and refused while any other connection has the file
+                # open: nothing can be added between the read and the destruction.
+                conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+                conn.execute("BEGIN EXCLUSIVE")
+            else:
+                conn.execute("BEGIN")  # one snapshot for the inspection and the copy
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.Error as exc:
+            conn.close()
+            low = str(exc).lower()
+            if "locked" in low or "busy" in low:
+                raise VaultBusy(
+                    f"{src} is in use by another process (an agent still writing to it?); close "
+                    "it and run the import again; nothing was imported"
+                ) from None
+            if "not a database" in low:
+                raise OperationFailed(
+                    f"{src} is not a SQLite database, so it is not a SQLiteSession file; "
+                    "nothing was imported"
+                ) from None
+            raise OperationFailed(f"cannot read {src} ({exc}); nothing was imported") from None
+        return conn
+
+    def _columns(self, table: str) -> list[tuple[str, int]]:
+        return [(r[1], r[5]) for r in self.conn.execute(f"PRAGMA table_info({_q(table)})")]
+
+    def _is_sessions_table(self, table: str) -> bool:
+        cols = self._columns(table)
+        return sorted(c for c, _ in cols) == sorted(SESSION_COLUMNS) and (
+            "session_id", 1) in cols
+
+    def _is_messages_table(self, table: str) -> bool:
+        cols = self._columns(table)
+        return sorted(c for c, _ in cols) == sorted(MESSAGE_COLUMNS) and ("id", 1) in cols
+
+    def _references(self, messages: str) -> list[str]:
+        return [r[2] for r in self.conn.execute(f"PRAGMA foreign_key_list({_q(messages)})")
+                if r[3] == "session_id"]
+
+    def _tables(self) -> list[str]:
+        return [r[0] for r in self.conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+
+    def _find_pair(
+        self, tables: list[str], sessions_table: str | None, messages_table: str | None
+    ) -> tuple[str, str]:
+        src = self.source
+        for given, kind, check in (
+            (sessions_table, "sessions", self._is_sessions_table),
+            (messages_table, "messages", self._is_messages_table),
+        ):
+            if given is None:
+                continue
+            if given not in tables:
+                raise OperationFailed(
+                    f"{src} has no table {given!r} (its tables: {', '.join(tables) or 'none'}); "
+                    "nothing was imported"
+                )
+            if not check(given):
+                raise OperationFailed(
+                    f"table {given!r} of {src} does not have the columns of a SQLiteSession "
+                    f"{kind} table; nothing was imported"
+                )
+        session_tables = {t for t in tables if self._is_sessions_table(t)}
+        pairs = [
+            (ref, m)
+            for m in tables
+            if self._is_messages_table(m)
+            for ref in self._references(m)
+            if ref in session_tables
+        ]
+        if sessions_table and messages_table:
+            return sessions_table, messages_table
+        if sessions_table:
+            pairs = [p for p in pairs if p[0] == sessions_table]
+        if messages_table:
+            pairs = [p for p in pairs if p[1] == messages_table]
+            if not pairs:
+                raise OperationFailed(
+                    f"table {messages_table!r} of {src} does not reference a sessions table; "
+                    "name it with --sessions-table; nothing was imported"
+                )
+        if not pairs:
+            if sessions_table:
+                raise OperationFailed(
+                    f"no messages table of {src} references {sessions_table!r}; name it with "
+                    "--messages-table; nothing was imported"
+                )
+            if {"memvault_meta", MESSAGES_TABLE} <= set(tables):
+                raise OperationFailed(
+                    f"{src} is a memvault vault, not a plaintext SQLiteSession file; "
+                    "nothing was imported"
+                )
+            raise OperationFailed(
+                f"{src} is a SQLite database but not a SQLiteSession file: no pair of tables "
+                "has the SDK's sessions/messages columns (name custom tables with "
+                "--sessions-table and --messages-table); nothing was imported"
+            )
+        if len(pairs) > 1:
+            names = ", ".join(f"{s}/{m}" for s, m in pairs)
+            raise OperationFailed(
+                f"{src} holds several SQLiteSession table pairs ({names}); choose one with "
+                "--sessions-table and --messages-table; nothing was imported"
+            )
+        return pairs[0]
+
+    def _inspect(self, sessions_table: str | None, messages_table: str | None) -> Plan:
+        src = self.source
+        tables = self._tables()
+        if "memvault_meta" in tables:
+            raise OperationFailed(
+                f"{src} is a memvault vault, not a plaintext SQLiteSession file; "
+                "nothing was imported"
+            )
+        s_tab, m_tab = self._find_pair(tables, sessions_table, messages_table)
+        counts = dict(self.conn.execute(
+            f"SELECT session_id, count(*) FROM {_q(m_tab)} GROUP BY session_id").fetchall())
+        sessions: dict[str, SourceSession] = {}
+        for sid, created, updated in self.conn.execute(
+            f"SELECT session_id, created_at, updated_at FROM {_q(s_tab)} ORDER BY session_id"
+        ):
+            sessions[sid] = SourceSession(str(sid), int(counts.get(sid, 0)), created, updated)
+        for sid, n in counts.items():  # rows whose session row is missing (no FK enforcement)
+            sessions.setdefault(sid, SourceSession(str(sid), int(n)))
+        chosen = sorted(sessions.values(), key=lambda s: s.session_id)
+        if self.session_id is not None:
+            chosen = [s for s in chosen if s.session_id == self.session_id]
+            if not chosen:
+                have = ", ".join(sorted(sessions)) or "none"
+                raise UnknownSession(
+                    f"no session {self.session_id!r} in {src} (its sessions: {have}); "
+                    "nothing was imported"
+                )
+        other_tables = [t for t in tables if t not in (s_tab, m_tab, *_INTERNAL_TABLES)]
+        plan = Plan(src, s_tab, m_tab, chosen, other_tables, self.shred_source)
+        self._check_contents(plan)
+        self._check_vault(plan)
+        if self.shred_source:
+            self._check_shreddable(plan, sessions)
+        return plan
+
+    def _check_contents(self, plan: Plan) -> None:
+        """Every row to import is JSON and plaintext (not an EncryptedSession envelope)."""
+        for s in plan.sessions:
+            for row_id, data in self.conn.execute(
+                f"SELECT id, message_data FROM {_q(plan.messages_table)} WHERE session_id = ? "
+                "ORDER BY id",
+                (s.session_id,),
+            ):
+                item = self._decode(plan, s.session_id, row_id, data)
+                if isinstance(item, dict) and item.get("__enc__") == 1:
+                    raise OperationFailed(
+                        f"session {s.session_id!r} of {plan.source} holds encrypted envelopes "
+                        "(an EncryptedSession file), not plaintext items; import reads only "
+                        "plaintext SQLiteSession files; nothing was imported"
+                    )
+
+    def _decode(self, plan: Plan, session_id: str, row_id: int, data: Any) -> Any:
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, TypeError):
+            raise OperationFailed(
+                f"row {row_id} of session {session_id!r} in {plan.source} "
+                f"({plan.messages_table}) is not JSON, so it is not a SQLiteSession item; "
+                "repair or delete that row; nothing was imported"
+            ) from None
+
+    def _check_vault(self, plan: Plan) -> None:
+        present = set(self.vault.session_ids())
+        clash = [s.session_id for s in plan.sessions if s.session_id in present]
+        if clash:
+            shown = ", ".join(repr(c) for c in clash[:5]) + (" …" if len(clash) > 5 else "")
+            raise OperationFailed(
+                f"session {shown} already exists in the vault {self.vault.path}; an import never "
+                "merges into an existing session; import the others one by one with --session, "
+                "or `memvault clear` the vault's copy first; nothing was imported"
+            )
+
+    def _check_shreddable(self, plan: Plan, all_sessions: dict[str, SourceSession]) -> None:
+        src = plan.source
+        if plan.other_tables:
+            raise OperationFailed(
+                f"{src} also holds table(s) {', '.join(plan.other_tables)} that the import does "
+                "not carry over; --shred-source would destroy them; drop --shred-source; "
+                "nothing was imported"
+            )
+        left = sorted(set(all_sessions) - {s.session_id for s in plan.sessions})
+        if left:
+            raise OperationFailed(
+                f"{src} holds {len(left)} other session(s) besides {self.session_id!r}; "
+                "--shred-source destroys the whole file; import every session (no --session) "
+                "or drop --shred-source; nothing was imported"
+            )
+        present = [p for p in paths.sidecars(src) if p.exists()]
+        for p in present:
+            try:
+                with open(p, "r+b"):
+                    pass
+            except OSError as exc:
+                raise OperationFailed(
+                    f"cannot overwrite {p} ({exc.strerror}); --shred-source needs write "
+                    "access to the source and its side files; nothing was imported"
+                ) from None
+
+    # -- the import -----------------------------------------------------
+    def run(self, progress: Progress | None = None) -> dict[str, Any]:
+        """Import every planned session (one transaction each), then shred if asked."""
+        plan = self.plan
+        vault = self.vault
+        sealer = vault.sealer()
+        imported: list[dict[str, Any]] = []
+        for part, s in enumerate(plan.sessions, 1):
+            n = self._import_session(s, sealer, part, len(plan.sessions), progress)
+            imported.append({"session_id": s.session_id, "items": n})
+            sealer = vault.sealer()
+        report: dict[str, Any] = {
+            "source": str(plan.source),
+            "tables": {"sessions": plan.sessions_table, "messages": plan.messages_table},
+            "sessions": imported,
+            "items": sum(i["items"] for i in imported),
+            "kid": sealer.kid,
+            "source_shredded": None,
+        }
+        if self.shred_source:
+            report["source_shredded"] = self._shred_source()
+            with vault._connect() as conn:
+                conn.execute("BEGIN IMMEDIATE")
+                _audit(conn, "source-shred", vault.sealer().kid,
+                       files=len(report["source_shredded"]["files"]),
+                       bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
+                       rows=report["source_shredded"]["rows"])
+                conn.execute("COMMIT")
+        report["at"] = utcnow()
+        return report
+
+    def _source_rows(self, s: SourceSession) -> sqlite3.Cursor:
+        return self.conn.execute(
+            f"SELECT id, message_data, created_at FROM {_q(self.plan.messages_table)} "
+            "WHERE session_id = ? ORDER BY id",
+            (s.session_id,),
+        )
+
+    def _import_session(
+        self,
+        s: SourceSession,
+        sealer: crypto.Sealer,
+        part: int,
+        parts: int,
+        progress: Progress | None,
+    ) -> int:
+        vault = self.vault
+        plan = self.plan
+        sid = s.session_id
+        source_digest = hashlib.sha256()
+        count = 0
+        with vault._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            vault._check_kid(conn, sealer)
+            sealer = vault.sealer()
+            if conn.execute(
+                f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = ? UNION ALL "
+                f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = ? LIMIT 1",
+                (sid, sid),
+            ).fetchone():
+                raise OperationFailed(
+                    f"session {sid!r} appeared in the vault during the import; it was not "
+                    f"imported ({part - 1} session(s) before it were)"
+                )
+            conn.execute(
+                f"INSERT INTO {SESSIONS_TABLE} (session_id, created_at, updated_at) "
+                "VALUES (?, coalesce(?, CURRENT_TIMESTAMP), coalesce(?, CURRENT_TIMESTAMP))",
+                (sid, s.created_at, s.updated_at),
+            )
+            rows = self._source_rows(s)
+            while True:
+                batch = rows.fetchmany(BATCH)
+                if not batch:
+                    break
+                sealed = []
+                for row_id, data, created in batch:
+                    item = self._decode(plan, sid, row_id, data)
+                    _digest_update(source_digest, item)
+                    sealed.append((sid, sealer.seal(sid, item), created))
+                conn.executemany(
+                    f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
+                    "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP))",
+                    sealed,
+                )
+                count += len(batch)
+                if progress:
+                    progress(len(batch))
+                failpoint("import-in-transaction")  # test-only SIGKILL, see store.failpoint
+            # Read back, inside the transaction: same count, same items, same order.
+            vault_digest = hashlib.sha256()
+            stored = 0
+            for (data,) in conn.execute(
+                f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id",
+                (sid,),
+            ):
+                opened = sealer.open(sid, data, None)
+                if opened.state is not crypto.ItemState.READABLE:
+                    break
+                _digest_update(vault_digest, opened.item)
+                stored += 1
+            if stored != count or count != s.items or (
+                vault_digest.digest() != source_digest.digest()
+            ):
+                raise OperationFailed(
+                    f"verification of session {sid!r} failed ({count} item(s) read from the "
+                    f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
+                    f"back and not imported ({part - 1} session(s) before it were)"
+                )
+            _audit(conn, "import", sealer.kid, items=count, part=part, parts=parts)
+            conn.execute("COMMIT")
+        return count
+
+    def _shred_source(self) -> dict[str, Any]:
+        """Delete the rows (secure_delete), then overwrite, fsync and unlink every file."""
+        plan = self.plan
+        src = plan.source
+        conn = self.conn
+        try:
+            failpoint("import-before-source-shred")
+            rows = conn.execute(f"DELETE FROM {_q(plan.messages_table)}").rowcount
+            conn.execute(f"DELETE FROM {_q(plan.sessions_table)}")
+            conn.execute("COMMIT")
+            # Copy the zeroed pages into the database without truncating the WAL: its
+            # older frames (plaintext) are overwritten below, not merely released.
+            conn.execute("PRAGMA wal_checkpoint(FULL)")
+        except sqlite3.Error as exc:
+            raise OperationFailed(
+                f"every session is in the vault, but deleting the rows of {src} failed ({exc}); "
+                "the source is intact; remove it yourself"
+            ) from None
+        present = [p for p in reversed(paths.sidecars(src)) if p.exists()]
+        sizes = {p: p.stat().st_size for p in present}
+        try:
+            # While this connection still holds the exclusive lock: WAL first (it may hold
+            # plaintext frames), then -shm and -journal, then the database.
+            for p in present:
+                _overwrite(p)
+            self.close()
+            for p in paths.sidecars(src):
+                if p.exists():
+                    sizes.setdefault(p, p.stat().st_size)
+                    _overwrite(p)  # again: closing may have written to it
+                    p.unlink()
+            _fsync_dir(src.parent)
+            files = [{"name": p.name, "size": sizes[p]} for p in paths.sidecars(src) if p in sizes]
+        except OSError as exc:
+            raise OperationFailed(
+                f"every session is in the vault and the source's rows are deleted, but "
+                f"overwriting {exc.filename or src} failed ({exc.strerror}); remove the "
+                "source files yourself"
+            ) from None
+        return {"path": str(src), "rows": rows, "files": files}
