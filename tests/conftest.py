@@ -11,8 +11,11 @@ import asyncio
 import contextlib
 import json
 import os
+import pty
+import select
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -160,3 +163,36 @@ def rows(db: Path, session_id: str | None = None) -> list[str]:
         ]
     finally:
         conn.close()
+
+
+def run_on_terminal(args: list[str], answers: list[tuple[bytes, str]],
+                    timeout: float = 120) -> tuple[int, bytes]:
+    """Run `python -m vault ARGS` on a pseudo-terminal, answering each prompt in turn."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its stdin, stdout, stderr and controlling tty
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "vault", *args])
+    output = b""
+    seen = 0
+    pending = list(answers)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            if pending and pending[0][0] in output[seen:]:
+                prompt, answer = pending.pop(0)
+                seen = output.index(prompt, seen) + len(prompt)
+                os.write(fd, answer.encode() + b"\r")
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert not pending, output
+    return os.waitstatus_to_exitcode(status), output

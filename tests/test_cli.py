@@ -236,3 +236,18 @@ def test_shred_asks_first(vault: Any, vault_db: Path) -> None:
     r = run_cli("shred")
     assert r.code == 1 and "aborted" in r.err
     assert vault_db.exists() and keyring.get_password("memvault", vault.vault_id)
+
+
+@pytest.mark.parametrize("args", [["rotate"], ["purge", "--yes"], ["shred", "--yes"]])
+def test_long_work_shows_a_progress_bar_on_a_terminal(
+    vault: Any, vault_db: Path, args: list[str]
+) -> None:
+    from tests.conftest import run_on_terminal
+
+    now = int(time.time())
+    insert_sealed(vault_db, "s", [user(f"item {i}") for i in range(300)], now - 7200)
+    code, out = run_on_terminal(args, [])
+    assert code == 0, out
+    assert b"100%" in out, out
+    # Without a terminal there is no bar (nothing on stderr to parse around).
+    assert run_cli("--db", str(vault_db), "status").err == "" or args == ["shred", "--yes"]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import ROOT, add_items, assistant, raw_bytes, run_cli, user
+from tests.conftest import ROOT, add_items, assistant, raw_bytes, run_cli, run_on_terminal, user
 
 MARK = "PLAINTEXT-MARK-7731"
 
@@ -446,8 +446,6 @@ def test_verification_failure_rolls_the_session_back(vault: Any, vault_db: Path,
 
 
 def test_progress_bar_on_a_terminal(vault: Any, vault_db: Path, tmp_path: Path) -> None:
-    from tests.test_kit import run_on_terminal
-
     src = tmp_path / "carnet.db"
     make_plain(src, CARNET)
     code, out = run_on_terminal(["import", str(src)], [])

@@ -5,16 +5,12 @@ from __future__ import annotations
 import base64
 import json
 import os
-import pty
-import select
 import shutil
 import stat
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import ROOT, add_items, assistant, run_cli, user
+from tests.conftest import add_items, assistant, run_cli, run_on_terminal, user
 
 PASS = "correct horse battery staple"
 HISTORY = [user("the code name is NORD-42"), assistant("Noted: NORD-42.")]
@@ -302,39 +298,6 @@ def test_export_refusals(vault: Any, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------
 # On a terminal: hidden prompts, the new passphrase asked twice.
 # --------------------------------------------------------------------------
-def run_on_terminal(args: list[str], answers: list[tuple[bytes, str]],
-                    timeout: float = 120) -> tuple[int, bytes]:
-    """Run `python -m vault ARGS` on a pseudo-terminal, answering each prompt in turn."""
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the pty is its stdin, stdout, stderr and controlling tty
-        os.chdir(ROOT)
-        os.execv(sys.executable, [sys.executable, "-m", "vault", *args])
-    output = b""
-    seen = 0
-    pending = list(answers)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    chunk = os.read(fd, 4096)
-                except OSError:  # EIO: the child closed the terminal
-                    break
-                if not chunk:
-                    break
-                output += chunk
-            if pending and pending[0][0] in output[seen:]:
-                prompt, answer = pending.pop(0)
-                seen = output.index(prompt, seen) + len(prompt)
-                os.write(fd, answer.encode() + b"\r")
-    finally:
-        _, status = os.waitpid(pid, 0)
-        os.close(fd)
-    assert not pending, output
-    return os.waitstatus_to_exitcode(status), output
-
-
 def test_terminal_asks_twice_and_hides_the_passphrase(vault: Any, tmp_path: Path) -> None:
     key = keyring_key(vault)
     kit = tmp_path / "kit.json"
