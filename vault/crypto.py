@@ -176,6 +176,33 @@ class Sealer:
             return Opened(ItemState.UNREADABLE, timestamp=ts)
         return Opened(ItemState.READABLE, item=item, timestamp=ts)
 
+    def state(
+        self, session_id: str, message_data: str, ttl: int | None, now: int | None = None
+    ) -> ItemState:
+        """The item's state for counting, without decrypting it (about 3x cheaper than `open`).
+
+        Authenticate (HMAC) without a TTL, then judge the authenticated timestamp, with
+        the same TTL and clock-skew rules as `open`. Only a token that authenticates but
+        whose plaintext does not decode (bad padding, not JSON: only a holder of the key
+        could write one) is counted readable here where `open` would call it unreadable.
+        """
+        env = parse_envelope(message_data)
+        if env is None:
+            return ItemState.UNREADABLE
+        token = env["payload"].encode("ascii", "replace")
+        try:
+            ts = self.fernet(session_id).extract_timestamp(token)
+        except (InvalidToken, TypeError):
+            return ItemState.UNREADABLE
+        if ttl is None:
+            return ItemState.READABLE
+        current = int(time.time()) if now is None else now
+        if ts + ttl < current:
+            return ItemState.EXPIRED
+        if current + MAX_CLOCK_SKEW < ts:  # decrypt_at_time refuses tokens from the future
+            return ItemState.UNREADABLE
+        return ItemState.READABLE
+
 
 def rotate_row(old: Sealer, new: Sealer, session_id: str, message_data: str) -> str | None:
     """Re-encrypt one row under the new key, keeping the token's timestamp.
@@ -183,6 +210,18 @@ def rotate_row(old: Sealer, new: Sealer, session_id: str, message_data: str) -> 
     `MultiFernet.rotate` decrypts with any of the keys and re-encrypts with the
     first while preserving the original timestamp, so rotation never extends an
     item's life. Returns None when the row does not authenticate under the old key.
+    """
+    rotated = rotate_row_stamped(old, new, session_id, message_data)
+    return None if rotated is None else rotated[0]
+
+
+def rotate_row_stamped(
+    old: Sealer, new: Sealer, session_id: str, message_data: str
+) -> tuple[str, int] | None:
+    """`rotate_row`, plus the token's timestamp (authenticated, kept by the rotation).
+
+    Read from the new token's first 9 bytes, so that a caller counting expired
+    items does not parse the row it has just built a second time.
     """
     env = parse_envelope(message_data)
     if env is None:
@@ -194,7 +233,9 @@ def rotate_row(old: Sealer, new: Sealer, session_id: str, message_data: str) -> 
         return None
     env["kid"] = new.kid
     env["payload"] = token.decode()
-    return json.dumps(env)
+    # 12 base64 characters are the version byte and the 8-byte big-endian timestamp.
+    ts = int.from_bytes(base64.urlsafe_b64decode(token[:12])[1:9], "big")
+    return json.dumps(env), ts
 
 
 def token_timestamp(message_data: str) -> int | None:

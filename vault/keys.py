@@ -75,14 +75,24 @@ class KeyStore:
 
     # Reads ---------------------------------------------------------------
     def get(self, vault_id: str) -> str | None:
-        value = self._call("read the vault key", self._backend.get_password, SERVICE, vault_id)
+        value = self._read("read the vault key", vault_id)
         return value if isinstance(value, str) else None
 
     def get_pending(self, vault_id: str) -> str | None:
-        value = self._call(
-            "read the pending key", self._backend.get_password, SERVICE, vault_id + PENDING_SUFFIX
-        )
+        value = self._read("read the pending key", vault_id + PENDING_SUFFIX)
         return value if isinstance(value, str) else None
+
+    def _read(self, what: str, name: str) -> Any:
+        # Secret Service reads are a search, then a fetch of the item found: another
+        # process deleting the entry in between (a rotation dropping its `.next`) makes
+        # the fetch fail. That is a miss, not a broken keyring: search again.
+        for attempt in range(5):
+            try:
+                return self._call(what, self._backend.get_password, SERVICE, name)
+            except KeyringUnavailable as exc:
+                if not _vanished(exc) or attempt == 4:
+                    raise
+        return None
 
     # Writes --------------------------------------------------------------
     def set(self, vault_id: str, key: str) -> None:
@@ -96,7 +106,7 @@ class KeyStore:
 
     def _verify(self, name: str, key: str) -> None:
         # A backend that accepts a write but cannot give it back would lose the history.
-        back = self._call("read back the key", self._backend.get_password, SERVICE, name)
+        back = self._read("read back the key", name)
         if back != key:
             raise KeyProblem(
                 f"the keyring ({self.name}) did not return the key it was just given; "
@@ -113,17 +123,23 @@ class KeyStore:
         """Delete an entry; True if one was there. Missing is not an error."""
         import keyring.errors as kerr
 
-        if self._call("look up a key", self._backend.get_password, SERVICE, name) is None:
+        if self._read("look up a key", name) is None:
             return False
         try:
             self._call("delete a key", self._backend.delete_password, SERVICE, name)
         except KeyringUnavailable as exc:
-            if isinstance(exc.__cause__, kerr.PasswordDeleteError):
+            # Deleted by another process meanwhile (before or after our search): gone is gone.
+            if isinstance(exc.__cause__, kerr.PasswordDeleteError) or _vanished(exc):
                 return False
             raise
-        if self._call("look up a key", self._backend.get_password, SERVICE, name) is not None:
+        if self._read("look up a key", name) is not None:
             raise KeyProblem(f"the keyring ({self.name}) kept the key after deleting it; try again")
         return True
+
+
+def _vanished(exc: BaseException) -> bool:
+    """The keyring failed because the entry it had just found was deleted meanwhile."""
+    return type(exc.__cause__).__name__ == "ItemNotFoundException"  # secretstorage's
 
 
 def _safe(exc: BaseException) -> str:

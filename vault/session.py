@@ -78,6 +78,17 @@ class VaultSession(EncryptedSession):
             self._refresh()
         return super()._unwrap(item)
 
+    async def get_items(self, limit: int | None = None, *, wrapper: Any = None) -> Any:
+        # One read is one SQLite snapshot. If the key changed while unwrapping it (another
+        # process rotated, perhaps twice), rows of that snapshot may be under a key this
+        # session no longer holds and would be skipped as unreadable: read again rather
+        # than return a partial or empty history.
+        while True:
+            kid = self._kid
+            items = await super().get_items(limit, wrapper=wrapper)
+            if self._kid == kid:
+                return items
+
     async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
         deadline = time.monotonic() + lock_timeout()
         while True:

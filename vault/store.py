@@ -490,10 +490,17 @@ class Vault:
             if crypto.is_valid_key(pending) and crypto.key_id(pending or "") == file_kid:
                 assert pending is not None
                 # The rotation committed but died before promoting its key: promote it.
-                ks.set(vault_id, pending)
-                ks.delete_pending(vault_id)
-                self._sealer = crypto.Sealer(pending)
-                return self._sealer
+                candidate = crypto.Sealer(pending)
+                try:
+                    promoted = self._promote(vault_id, candidate, wait=False)
+                except VaultBusy:
+                    # A writer holds the lock (likely the rotation, promoting it itself):
+                    # the pending key is the file's key; a later open promotes it.
+                    promoted = True
+                if promoted:
+                    self._sealer = candidate
+                    return self._sealer
+                continue  # revoked or rotated again meanwhile: read the file afresh
             if crypto.is_valid_key(current) and crypto.key_id(current or "") == file_kid:
                 assert current is not None
                 if pending is not None:
@@ -510,6 +517,28 @@ class Vault:
             f"was written with {file_kid}; nothing was read or written; restore the matching "
             "key with `memvault key import KIT`"
         )
+
+    def _promote(self, vault_id: str, sealer: crypto.Sealer, wait: bool = True) -> bool:
+        """Store a committed rotation's key as the vault's key and drop `.next`.
+
+        Under the write lock, and only if the file still uses that key: a revoke, or a
+        rotation started meanwhile (which stores its own `.next`), cannot interleave, so
+        a promotion never brings a revoked key back nor deletes another rotation's
+        pending key. Returns False, keeping no key, when the file moved on. With
+        `wait=False`, raises VaultBusy at once when another connection holds the lock.
+        """
+        ks = self.keystore
+        with self._connect(timeout=None if wait else 0) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            meta = _read_meta(conn, self.path)
+            if meta["kid"] != sealer.kid:
+                if "revoked_at" in meta:
+                    ks.delete_pending(vault_id)
+                return False
+            ks.set(vault_id, sealer.master_key)
+            ks.delete_pending(vault_id)
+            conn.execute("ROLLBACK")
+        return True
 
     def _drop_stale_pending(self, vault_id: str, file_kid: str) -> None:
         """Remove a `.next` key whose rotation died before committing.
@@ -557,7 +586,7 @@ class Vault:
             ):
                 info = infos.setdefault(sid, SessionInfo(sid, 0))
                 info.items += 1
-                state = sealer.open(sid, data, ttl, now).state
+                state = sealer.state(sid, data, ttl, now)  # authenticate, no decryption
                 if state is crypto.ItemState.READABLE:
                     info.readable += 1
                 elif state is crypto.ItemState.EXPIRED:
@@ -785,13 +814,13 @@ class Vault:
                 updates = []
                 for row_id, sid, data in batch:
                     sessions.add(sid)
-                    rotated = crypto.rotate_row(old, new, sid, data)
-                    if rotated is None:
+                    stamped = crypto.rotate_row_stamped(old, new, sid, data)
+                    if stamped is None:
                         unreadable += 1  # kept as it is: nothing is deleted by a rotation
                         continue
+                    rotated, ts = stamped  # ts from the token: no second parse of the row
                     items += 1
-                    ts = crypto.token_timestamp(rotated)
-                    if cutoff is not None and ts is not None and ts < cutoff:
+                    if cutoff is not None and ts < cutoff:
                         expired += 1
                     updates.append((rotated, row_id))
                 conn.executemany(
@@ -813,10 +842,11 @@ class Vault:
             )
             conn.execute("COMMIT")
         failpoint("after-commit")
-        ks.set(vault_id, new.master_key)
-        ks.delete_pending(vault_id)
+        promoted = self._promote(vault_id, new)
         failpoint("after-promotion")
-        self._sealer = new
+        self._sealer = new if promoted else None
+        if not promoted:
+            self.sealer(refresh=True)  # revoked meanwhile: KeyRevoked; else the newer key
         scrubbed = self.scrub() if scrub else False
         self.scrub_incomplete = not scrubbed
         return Report(
@@ -847,8 +877,10 @@ class Vault:
                 _set_meta(conn, revoked_at=utcnow(), revoked_kid=meta["kid"], kid="revoked")
                 _audit(conn, "revoke", meta["kid"])
             conn.execute("COMMIT")
+        failpoint("revoke-after-mark")
         vault_id = meta["vault_id"]
         destroyed = self.keystore.delete_pending(vault_id)
+        failpoint("revoke-after-pending")
         destroyed = self.keystore.delete(vault_id) or destroyed
         self._sealer = None
         return {
@@ -964,6 +996,8 @@ def _overwrite(path: Path, header: bytes = b"", progress: Progress | None = None
     with open(path, "r+b", buffering=0) as fh:
         fh.write(header[:size])
         done = min(len(header), size)
+        if progress:
+            progress(done)
         while done < size:
             n = fh.write(chunk[: min(len(chunk), size - done)])
             done += n
@@ -986,14 +1020,17 @@ def shred(
     db: str | os.PathLike[str] | None = None,
     keystore: KeyStore | None = None,
     progress: Progress | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Destroy a vault: lock, key, rows, then overwrite, fsync and unlink every file.
+
+    `on_total` learns how many bytes will be overwritten once the checkpoint has
+    settled the files' sizes; `progress` then counts them.
 
     Works without the key (revoked, or the keyring entry gone). A shred killed
     half-way leaves a stamped file that the next run recognises and finishes.
     """
     path = paths.resolve_db_path(db)
-    present = [p for p in paths.sidecars(path) if p.exists()]
     if not path.exists():
         raise NotAVault(f"no vault at {path}; nothing to shred")
     header = _file_header(path)
@@ -1058,7 +1095,9 @@ def shred(
     files = []
     try:
         # Stamp the database first so that nothing opens it as SQLite again.
-        sizes = {p: p.stat().st_size for p in present if p.exists()}
+        sizes = {p: p.stat().st_size for p in paths.sidecars(path) if p.exists()}
+        if on_total:
+            on_total(sum(sizes.values()))
         _overwrite(path, stamp_bytes, progress)
         failpoint("shred-during-overwrite")
         for p in paths.sidecars(path)[1:]:
