@@ -78,26 +78,42 @@ def emit(data: Any, human: Callable[[], None]) -> None:
 
 
 def confirm(question: str, yes: bool) -> None:
-    if not yes:
+    if yes:
+        return
+    try:
         click.confirm(question, abort=True, err=True)
+    except click.exceptions.Abort:
+        if not sys.stdin.isatty():
+            click.echo(err=True)  # piped answers are not echoed: end the question's line
+        raise
 
 
 @contextmanager
 def progress(length: int, label: str) -> Iterator[Progress | None]:
     """A progress bar on a terminal; silence (and no cost) otherwise."""
+    with _bar(length, label) as bar:
+        yield bar.update if bar else None
+
+
+@contextmanager
+def _bar(length: int, label: str) -> Iterator[Any]:
     if not sys.stderr.isatty() or length <= 0:
         yield None
         return
     with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
-        yield bar.update
+        yield bar
 
 
-def warn_scrub(vault: Vault) -> None:
+def check_scrub(vault: Vault) -> None:
+    """After the result is printed: exit 5 if old bytes may still be in the files.
+
+    The change itself is committed; the next memvault command finishes the scrub.
+    """
     if vault.scrub_incomplete:
-        click.echo(
-            "warning: scrub incomplete: another process holds a read transaction, so replaced "
-            "bytes may remain in the WAL until the next memvault command finishes the scrub",
-            err=True,
+        raise VaultBusy(
+            "the change is committed, but the scrub is incomplete: another process holds a "
+            "read transaction, so replaced ciphertext may remain in the WAL; the next memvault "
+            "command finishes it"
         )
 
 
@@ -351,7 +367,7 @@ def pop(session_id: str, count: int) -> None:
         {"session_id": session_id, "popped": popped},
         lambda: click.echo(f"removed {len(popped)} item(s) from {session_id}"),
     )
-    warn_scrub(vault)
+    check_scrub(vault)
 
 
 @cli.command()
@@ -373,7 +389,7 @@ def clear(session_id: str, yes: bool) -> None:
         {"session_id": session_id, "deleted": n, "scrubbed": not vault.scrub_incomplete},
         lambda: click.echo(f"cleared {session_id}: {n} item(s) deleted"),
     )
-    warn_scrub(vault)
+    check_scrub(vault)
 
 
 @cli.command()
@@ -389,6 +405,7 @@ def ttl(value: Any) -> None:
       memvault ttl 7d
     """
     vault = open_vault()
+    vault.sealer()  # a revoked or missing key fails here, as every keyed command does
     if value is not None:
         vault.set_ttl(value[1])
     text = crypto.format_duration(vault.ttl)
@@ -424,7 +441,7 @@ def purge(yes: bool) -> None:
             )
         ),
     )
-    warn_scrub(vault)
+    check_scrub(vault)
 
 
 def _count(vault: Vault) -> int:
@@ -456,16 +473,8 @@ def rotate() -> None:
             "  older recovery kits no longer match: run `memvault key export` again"
         ),
     )
-    if not report.scrubbed:
-        _scrub_busy()
+    check_scrub(vault)
 
-
-def _scrub_busy() -> None:
-    raise VaultBusy(
-        "the change is committed, but the scrub is incomplete: another process holds a read "
-        "transaction, so replaced ciphertext may remain in the WAL; the next memvault command "
-        "finishes it"
-    )
 
 
 @cli.command()
@@ -514,8 +523,12 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     path = resolve_db_path(state().db)
     confirm(f"Destroy the vault {path}, its key and its files?", yes)
     size = sum(p.stat().st_size for p in _present(path))
-    with progress(size, "overwriting") as bar:
-        r = shred(path, progress=bar)
+    with _bar(size, "overwriting") as bar:
+
+        def resize(total: int) -> None:
+            bar.length = max(total, 1)  # the checkpoint may have emptied the WAL
+
+        r = shred(path, progress=bar.update if bar else None, on_total=resize if bar else None)
     if receipt:
         _write_private(receipt, json.dumps(r, indent=2, sort_keys=True) + "\n")
     emit(
