@@ -163,6 +163,7 @@ def test_clear_asks_unless_yes_and_spares_other_sessions(vault: Any, vault_db: P
     add_items(vault_db, "t", [user("keep me")])
     r = run_cli("clear", "s")  # no terminal, no --yes: the question gets no answer
     assert r.code == 1 and "aborted" in r.err
+    assert r.err.splitlines()[-1].startswith("memvault: error: aborted"), r.err
     assert len(rows(vault_db, "s")) == 1
     r = run_cli("clear", "s", input="y\n")
     assert r.code == 0, r
