@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import sqlite3
 import urllib.parse
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ class Importer:
         shred_source: bool = False,
     ) -> None:
         self.vault = vault
-        self.source = Path(source).expanduser().absolute()
+        self.source = Path(os.path.realpath(Path(source).expanduser()))  # SQLite follows links too
         self.session_id = session_id
         self.shred_source = shred_source
         self._conn: sqlite3.Connection | None = None

@@ -26,7 +26,9 @@ def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
         chosen = Path(os.environ[ENV_DB])
     else:
         chosen = default_db_path()
-    return Path(os.path.abspath(chosen.expanduser()))
+    # Follow symbolic links as SQLite does, so that the -wal/-shm beside the real file
+    # are the ones shred overwrites and the real file is the one it unlinks.
+    return Path(os.path.realpath(chosen.expanduser()))
 
 
 def sidecars(db: Path) -> list[Path]:

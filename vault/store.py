@@ -667,6 +667,9 @@ class Vault:
             out["key"] = "present and matching"
         except KeyRevoked:
             out["key"] = "key revoked"
+            if not self.revocation_complete():
+                out["key"] = "key revoked (incomplete: the key is still in the keyring)"
+                out["key_problem"] = "run `memvault revoke` again to finish destroying it"
         except KeyProblem as exc:
             out["key"] = "unusable"
             out["key_problem"] = exc.message
@@ -799,50 +802,73 @@ class Vault:
             self._check_kid(conn, old)
             old = self._sealer or old
             vault_id = _read_meta(conn, self.path)["vault_id"]
+            # Under the write lock no rotation is in flight, so `.next` is either the
+            # file's key from a promotion that was deferred (busy lock) or a dead
+            # rotation's leftover. Make the file's key the current entry before `.next`
+            # is reused: otherwise overwriting `.next` could destroy its only copy.
+            if ks.get(vault_id) != old.master_key:
+                ks.set(vault_id, old.master_key)
+            ks.delete_pending(vault_id)
             ks.set_pending(vault_id, new.master_key)
-            failpoint("after-pending")
-            _set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
-            last = -1
-            while True:
-                batch = conn.execute(
-                    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
-                    "WHERE id > ? ORDER BY id LIMIT 1000",
-                    (last,),
-                ).fetchall()
-                if not batch:
-                    break
-                updates = []
-                for row_id, sid, data in batch:
-                    sessions.add(sid)
-                    stamped = crypto.rotate_row_stamped(old, new, sid, data)
-                    if stamped is None:
-                        unreadable += 1  # kept as it is: nothing is deleted by a rotation
-                        continue
-                    rotated, ts = stamped  # ts from the token: no second parse of the row
-                    items += 1
-                    if cutoff is not None and ts < cutoff:
-                        expired += 1
-                    updates.append((rotated, row_id))
-                conn.executemany(
-                    f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ?", updates
+            attempted = False
+            try:
+                failpoint("after-pending")
+                _set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
+                last = -1
+                while True:
+                    batch = conn.execute(
+                        f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+                        "WHERE id > ? ORDER BY id LIMIT 1000",
+                        (last,),
+                    ).fetchall()
+                    if not batch:
+                        break
+                    updates = []
+                    for row_id, sid, data in batch:
+                        sessions.add(sid)
+                        stamped = crypto.rotate_row_stamped(old, new, sid, data)
+                        if stamped is None:
+                            unreadable += 1  # kept as it is: nothing is deleted by a rotation
+                            continue
+                        rotated, ts = stamped  # ts from the token: no second parse of the row
+                        items += 1
+                        if cutoff is not None and ts < cutoff:
+                            expired += 1
+                        updates.append((rotated, row_id))
+                    conn.executemany(
+                        f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ?", updates
+                    )
+                    last = batch[-1][0]
+                    if progress:
+                        progress(len(batch))
+                    failpoint("in-transaction")
+                _audit(
+                    conn,
+                    "rotate",
+                    new.kid,
+                    old_kid=old.kid,
+                    items=items,
+                    expired=expired,
+                    unreadable=unreadable,
+                    sessions=len(sessions),
                 )
-                last = batch[-1][0]
-                if progress:
-                    progress(len(batch))
-                failpoint("in-transaction")
-            _audit(
-                conn,
-                "rotate",
-                new.kid,
-                old_kid=old.kid,
-                items=items,
-                expired=expired,
-                unreadable=unreadable,
-                sessions=len(sessions),
-            )
-            conn.execute("COMMIT")
+                attempted = True
+                conn.execute("COMMIT")
+            finally:
+                if not attempted:
+                    # Still holding the lock and nothing committed: no row uses the new
+                    # key, so drop it. (After a failed COMMIT the outcome is unknown, and
+                    # `.next` stays for the next open to judge against the file.)
+                    with contextlib.suppress(Exception):
+                        conn.execute("ROLLBACK")
+                    with contextlib.suppress(Exception):
+                        ks.delete_pending(vault_id)
         failpoint("after-commit")
-        promoted = self._promote(vault_id, new)
+        try:
+            promoted = self._promote(vault_id, new)
+        except VaultBusy:
+            # Committed, and `.next` holds the key: the next open (or rotation) promotes it.
+            promoted = True
         failpoint("after-promotion")
         self._sealer = new if promoted else None
         if not promoted:
@@ -866,29 +892,57 @@ class Vault:
     def revoke(self) -> dict[str, Any]:
         """Destroy the key (current and pending). The file stays, unreadable for ever.
 
-        The file is marked first, so a revoke killed half-way is finished by the next
-        one, and writers still holding the key in memory are refused by the triggers.
+        The keyring is checked first, then the file is marked, so a revoke killed
+        half-way is finished by the next one, and writers still holding the key in
+        memory are refused by the triggers. Only this file's key is destroyed: a
+        key under the same vault id that belongs to another copy is refused.
         """
+        ks = self.keystore
+        ks.check_usable()
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
             meta = _read_meta(conn, self.path)
+            vault_id = meta["vault_id"]
+            kid = meta.get("revoked_kid", meta["kid"])
+            current = ks.get(vault_id)
+            pending = ks.get_pending(vault_id)
+            kids = {crypto.key_id(k) for k in (current, pending) if k and crypto.is_valid_key(k)}
+            if kids and kid not in kids:
+                raise KeyMismatch(
+                    f"the keyring's key for vault {vault_id} ({', '.join(sorted(kids))}) does "
+                    f"not open this file ({kid}): it belongs to another copy of this vault, "
+                    "and revoking would destroy that copy's key; nothing was changed"
+                )
             already = "revoked_at" in meta
             if not already:
-                _set_meta(conn, revoked_at=utcnow(), revoked_kid=meta["kid"], kid="revoked")
-                _audit(conn, "revoke", meta["kid"])
+                _set_meta(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
+                _audit(conn, "revoke", kid)
             conn.execute("COMMIT")
-        failpoint("revoke-after-mark")
-        vault_id = meta["vault_id"]
-        destroyed = self.keystore.delete_pending(vault_id)
-        failpoint("revoke-after-pending")
-        destroyed = self.keystore.delete(vault_id) or destroyed
+            failpoint("revoke-after-mark")
+            # Still under the write lock: no rotation can store or promote a key meanwhile.
+            destroyed = False
+            if pending is not None:
+                destroyed = ks.delete_pending(vault_id)
+            failpoint("revoke-after-pending")
+            destroyed = ks.delete(vault_id) or destroyed
         self._sealer = None
         return {
             "vault_id": vault_id,
-            "kid": meta.get("revoked_kid", meta["kid"]),
+            "kid": kid,
             "already_revoked": already,
             "key_destroyed": destroyed,
         }
+
+    def revocation_complete(self) -> bool:
+        """False while a revoked vault's key is still in the keyring (revoke cut off)."""
+        meta = self.meta()
+        kid = meta.get("revoked_kid")
+        ks = self.keystore
+        vault_id = meta["vault_id"]
+        for key in (ks.get(vault_id), ks.get_pending(vault_id)):
+            if key and crypto.is_valid_key(key) and crypto.key_id(key) == kid:
+                return False
+        return True
 
     # -- scrubbing ------------------------------------------------------
     def scrub(self) -> bool:
@@ -1016,6 +1070,38 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def destroy_keys(ks: KeyStore, vault_id: str, file_kids: set[str]) -> dict[str, Any]:
+    """Delete the keyring entries that belong to this file, and only those.
+
+    Every copy of a vault shares its vault id, so the entry under that id may hold
+    the key of another, newer copy (a backup being shredded while the live vault
+    rotated on). An entry is this file's when its key id is the file's; the current
+    entry is also this file's when `.next` is (a rotation of this file committed but
+    was never promoted: the current entry is the key it retired). Malformed entries
+    are deleted too. The caller holds the file's write lock, so no rotation is in
+    flight. Returns what was destroyed and the key id of any entry left in place.
+    """
+
+    def kid(key: str | None) -> str | None:
+        return crypto.key_id(key) if key and crypto.is_valid_key(key) else None
+
+    current, pending = ks.get(vault_id), ks.get_pending(vault_id)
+    cur_kid, pen_kid = kid(current), kid(pending)
+    cur_ours = current is not None and (cur_kid is None or cur_kid in file_kids)
+    pen_ours = pending is not None and (pen_kid is None or pen_kid in file_kids)
+    if pen_ours and current is not None:
+        cur_ours = True
+    if cur_ours and pending is not None:
+        pen_ours = True  # with the lock held, a `.next` beside this file's key is a dead rotation's
+    destroyed = False
+    if pen_ours:
+        destroyed = ks.delete_pending(vault_id) or destroyed
+    if cur_ours:
+        destroyed = ks.delete(vault_id) or destroyed
+    foreign = [k for k, ours in ((cur_kid, cur_ours), (pen_kid, pen_ours)) if k and not ours]
+    return {"key_destroyed": destroyed, "foreign_kid": foreign[0] if foreign else None}
+
+
 def shred(
     db: str | os.PathLike[str] | None = None,
     keystore: KeyStore | None = None,
@@ -1027,23 +1113,30 @@ def shred(
     `on_total` learns how many bytes will be overwritten once the checkpoint has
     settled the files' sizes; `progress` then counts them.
 
-    Works without the key (revoked, or the keyring entry gone). A shred killed
-    half-way leaves a stamped file that the next run recognises and finishes.
+    Works without the key (revoked, or the keyring entry gone). What was destroyed
+    is recorded in the file before the rows go, so a shred killed half-way is
+    finished by the next run, with the same report.
     """
     path = paths.resolve_db_path(db)
     if not path.exists():
         raise NotAVault(f"no vault at {path}; nothing to shred")
-    header = _file_header(path)
-    report: dict[str, Any] = {"path": str(path), "resumed": False, "sessions": 0, "items": 0}
-    ks = keystore or KeyStore()
+    if path.is_dir():
+        raise NotAVault(f"{path} is a folder, not a vault file; give the vault's file path")
+    try:
+        header = _file_header(path)
+    except OSError as exc:
+        raise OperationFailed(
+            f"cannot read {path} ({exc.strerror}); nothing was destroyed"
+        ) from None
+    report: dict[str, Any] = {"path": str(path), "resumed": False}
     if header.startswith(SHRED_MAGIC):
-        # Interrupted after the key and rows were gone: finish the overwrite.
-        report["resumed"] = True
+        # Interrupted after the key and the rows were gone: finish the overwrite.
         try:
             stamp = json.loads(_file_header(path)[len(SHRED_MAGIC) :].split(b"\n")[0])
         except ValueError:
             stamp = {}
-        vault_id, kid = stamp.get("vault_id"), stamp.get("kid")
+        report.update(stamp)
+        report["resumed"] = True
     else:
         _check_header(path)
         conn = connect(path, timeout=SCRUB_WAIT)
@@ -1064,19 +1157,29 @@ def shred(
                 meta = _read_meta(conn, path)
                 vault_id = meta["vault_id"]
                 kid = meta.get("revoked_kid", meta["kid"])
-                report["sessions"] = conn.execute(
-                    f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
-                    f"SELECT session_id FROM {MESSAGES_TABLE})"
-                ).fetchone()[0]
-                report["items"] = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[
-                    0
-                ]
-                # The key goes first: from here on a crash leaves only unreadable ciphertext.
-                ks.check_usable()
-                destroyed = ks.delete_pending(vault_id)
-                destroyed = ks.delete(vault_id) or destroyed
-                report["key_destroyed"] = destroyed
-                failpoint("shred-after-key")
+                if "shred_started" in meta:
+                    # A shred was cut off after destroying the key: finish it as it began.
+                    done = json.loads(meta["shred_started"])
+                    report.update(done)
+                    report["resumed"] = True
+                else:
+                    report["vault_id"], report["kid"] = vault_id, kid
+                    report["sessions"] = conn.execute(
+                        f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+                        f"SELECT session_id FROM {MESSAGES_TABLE})"
+                    ).fetchone()[0]
+                    report["items"] = conn.execute(
+                        f"SELECT count(*) FROM {MESSAGES_TABLE}"
+                    ).fetchone()[0]
+                    # The key goes first: from here on a crash leaves only unreadable
+                    # ciphertext. Only this file's key: another copy's stays (see above).
+                    ks = keystore or KeyStore()
+                    ks.check_usable()
+                    report.update(destroy_keys(ks, vault_id, {meta["kid"], kid}))
+                    failpoint("shred-after-key")
+                    _set_meta(conn, shred_started=json.dumps(
+                        {k: report[k] for k in ("vault_id", "kid", "sessions", "items",
+                                                "key_destroyed", "foreign_kid")}))
                 conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
                 conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
                 conn.execute("DELETE FROM memvault_audit")
@@ -1085,13 +1188,12 @@ def shred(
         finally:
             conn.close()
         failpoint("shred-after-rows")
-    report["vault_id"], report["kid"] = vault_id, kid
-    if "key_destroyed" not in report:
-        with contextlib.suppress(VaultError):
-            report["key_destroyed"] = bool(
-                vault_id and (ks.delete_pending(vault_id) | ks.delete(vault_id))
-            )
-    stamp_bytes = SHRED_MAGIC + json.dumps({"vault_id": vault_id, "kid": kid}).encode() + b"\n"
+    stamp_fields = ("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid")
+    stamp_bytes = (
+        SHRED_MAGIC
+        + json.dumps({k: report.get(k) for k in stamp_fields}).encode()
+        + b"\n"
+    )
     files = []
     try:
         # Stamp the database first so that nothing opens it as SQLite again.
