@@ -757,8 +757,9 @@ def key_import(file: str, yes: bool) -> None:
 
     The kit must come from this vault and its current key: a kit from another
     vault, or from before a rotation, is refused naming both ids. A keyring key
-    that already opens the vault is left alone; one that does not is replaced
-    after a question (or --yes). The passphrase is asked on a terminal, else
+    that already opens the vault is left alone; one that does not is moved
+    aside (kept as memvault/<vault_id>.replaced.<kid>, since it may open another
+    copy of the vault) after a question (or --yes). The passphrase is asked on a terminal, else
     read as one line from stdin. The key itself is never printed.
 
     \b
@@ -778,8 +779,9 @@ def key_import(file: str, yes: bool) -> None:
 
     def ask_replace(old_kid: str) -> None:
         confirm(
-            f"The keyring holds key {old_kid} for this vault, which does not open it. "
-            "Replace it with the kit's key?",
+            f"The keyring holds key {old_kid} for this vault id, which does not open this "
+            "file; it may be the key of another copy of the vault (a newer one, rotated "
+            "since). Keep it aside and put the kit's key in its place?",
             yes,
         )
 
@@ -788,6 +790,8 @@ def key_import(file: str, yes: bool) -> None:
     def human() -> None:
         if r["restored"]:
             extra = f" (replaced key {r['replaced_kid']})" if r["replaced_kid"] else ""
+            if r.get("kept_aside_as"):
+                extra += f"; the replaced key is kept as memvault/{r['kept_aside_as']}"
             click.echo(
                 f"restored key {r['kid']} of vault {r['vault_id']} into {r['keyring']}{extra}; "
                 "the vault opens again"

@@ -14,6 +14,8 @@ from .errors import KeyMissing, KeyProblem, KeyringLocked, KeyringUnavailable
 
 SERVICE = "memvault"
 PENDING_SUFFIX = ".next"
+# `<vault_id>.replaced.<kid>`: a key moved aside by `key import`, never deleted by it.
+ASIDE_INFIX = ".replaced."
 
 _HOW_TO_GET_A_KEYRING = (
     "install and unlock an OS keyring (macOS Keychain, Windows Credential Locker, "
@@ -102,6 +104,12 @@ class KeyStore:
     def set_pending(self, vault_id: str, key: str) -> None:
         name = vault_id + PENDING_SUFFIX
         self._call("store the pending key", self._backend.set_password, SERVICE, name, key)
+        self._verify(name, key)
+
+    def set_aside(self, vault_id: str, kid: str, key: str) -> None:
+        """Keep a key that is being replaced, under a name that says which it was."""
+        name = f"{vault_id}{ASIDE_INFIX}{kid}"
+        self._call("keep the replaced key", self._backend.set_password, SERVICE, name, key)
         self._verify(name, key)
 
     def _verify(self, name: str, key: str) -> None:

@@ -50,6 +50,7 @@ from .errors import (
     KeyRevoked,
     OperationFailed,
 )
+from .keys import ASIDE_INFIX
 from .store import Vault, _audit, utcnow
 
 KIT_FORMAT = "memvault-recovery-kit"
@@ -341,6 +342,10 @@ def import_kit(
             )
         state = "present"
     if state != "present":
+        if replaced and replaced != "unknown":
+            # A valid key that does not open this file may be the key of another copy of
+            # the vault (a newer one, rotated since): keep it aside instead of losing it.
+            ks.set_aside(vault_id, replaced, ks.get(vault_id) or "")
         ks.set(vault_id, key)  # verified by reading it back
         fresh = vault.sealer(refresh=True)
         if fresh.kid != meta["kid"]:
@@ -350,5 +355,7 @@ def import_kit(
         extra = {"replaced_kid": replaced} if replaced else {}
         _audit(conn, "key-import", kit.kid, keyring_before=state, **extra)
         conn.execute("COMMIT")
+    kept = f"{vault_id}{ASIDE_INFIX}{replaced}" if replaced and replaced != "unknown" else None
     return {"path": str(p), "vault_id": vault_id, "kid": kit.kid, "keyring_before": state,
-            "replaced_kid": replaced, "restored": state != "present", "keyring": ks.name}
+            "replaced_kid": replaced, "kept_aside_as": kept, "restored": state != "present",
+            "keyring": ks.name}
