@@ -677,9 +677,12 @@ def test_revoke_killed_half_way_then_run_again_finishes(
     r = run_cli("revoke", "--yes", env={"MEMVAULT_FAILPOINT": point})
 
     assert r.code == KILLED, r
-    # Killed half-way: the file is marked, so the vault already counts as revoked ...
+    # Killed half-way: the file is marked, so the vault already counts as revoked, and
+    # status says the revocation is not finished ...
     assert "revoked_at" in db_meta(vault_db)
-    assert run_cli("--json", "status").json()["key"] == "key revoked"
+    st = run_cli("--json", "status").json()
+    assert st["key"].startswith("key revoked (incomplete"), st
+    assert "memvault revoke" in st["key_problem"]
     assert run_cli("show", "chat-a").code == 4
     # ... but the key is still (partly) in the keyring.
     assert vault_id in vault_entries(vault_id)

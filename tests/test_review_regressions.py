@@ -1,0 +1,165 @@
+"""Regressions for defects an adversarial review proved, one test each."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import keyring
+
+from tests.conftest import add_items, raw_bytes, run_cli, user
+from vault import Vault, crypto
+
+KILLED = -9
+
+
+def keyring_kids(vault_id: str) -> tuple[str | None, str | None]:
+    cur = keyring.get_password("memvault", vault_id)
+    nxt = keyring.get_password("memvault", vault_id + ".next")
+    return (cur and crypto.key_id(cur), nxt and crypto.key_id(nxt))
+
+
+def file_kid(db: Path) -> str:
+    conn = sqlite3.connect(db)
+    try:
+        return str(conn.execute("SELECT value FROM memvault_meta WHERE key='kid'").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_a_rotation_after_a_deferred_promotion_never_loses_the_files_key(
+    vault: Any, vault_db: Path
+) -> None:
+    add_items(vault_db, "s", [user(f"secret {i}") for i in range(5)])
+    # Rotation A commits, then dies before promoting: the file's key lives in `.next` only.
+    assert run_cli("rotate", env={"MEMVAULT_FAILPOINT": "after-commit"}).code == KILLED
+    k2 = file_kid(vault_db)
+    assert keyring_kids(vault.vault_id)[1] == k2
+    # A writer holds the lock, so rotation B's open cannot promote; B then dies at once.
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sqlite3, time\n"
+         f"c = sqlite3.connect({str(vault_db)!r}, isolation_level=None)\n"
+         "c.execute('BEGIN IMMEDIATE'); print('locked', flush=True)\n"
+         "time.sleep(3); c.execute('COMMIT')\n"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout and holder.stdout.readline().strip() == "locked"
+    r = run_cli("rotate", env={"MEMVAULT_FAILPOINT": "after-pending"})
+    holder.wait()
+    assert r.code == KILLED, r
+    # Nothing lost: the file still uses K2 and K2 is the keyring's key.
+    assert file_kid(vault_db) == k2
+    shown = run_cli("--json", "show", "s")
+    assert shown.code == 0, shown
+    assert len(shown.json()["items"]) == 5
+    assert keyring_kids(vault.vault_id) == (k2, None)
+
+
+def test_shredding_or_revoking_an_old_copy_keeps_the_live_vaults_key(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user("live history")])
+    backup = tmp_path / "backup.db"
+    shutil.copy(vault_db, backup)
+    assert run_cli("rotate").code == 0  # the live vault moves on to a new key
+    live_key = keyring.get_password("memvault", vault.vault_id)
+
+    r = run_cli("--db", str(backup), "revoke", "--yes")
+    assert r.code == 4 and "another copy" in r.err, r
+    assert "revoked_at" not in Vault.open(backup).meta()
+
+    r = run_cli("--db", str(backup), "--json", "shred", "--yes")
+    assert r.code == 0, r
+    assert r.json()["key_destroyed"] is False
+    assert r.json()["foreign_kid"] == crypto.key_id(live_key or "")
+    assert not backup.exists()
+    assert keyring.get_password("memvault", vault.vault_id) == live_key
+    assert run_cli("show", "s").code == 0
+
+
+def test_key_import_into_an_old_copy_keeps_the_replaced_key(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user("x")])
+    kit = tmp_path / "kit.json"
+    assert run_cli("key", "export", str(kit), input="correct horse battery\n").code == 0
+    backup = tmp_path / "backup.db"
+    shutil.copy(vault_db, backup)
+    assert run_cli("rotate").code == 0
+    live_key = keyring.get_password("memvault", vault.vault_id)
+    assert live_key
+    r = run_cli("--db", str(backup), "--json", "key", "import", str(kit), "--yes",
+                input="correct horse battery\n")
+    assert r.code == 0, r
+    kept = r.json()["kept_aside_as"]
+    assert kept == f"{vault.vault_id}.replaced.{crypto.key_id(live_key)}"
+    assert keyring.get_password("memvault", kept) == live_key  # nothing lost
+
+
+def test_a_revoke_that_cannot_reach_the_keyring_marks_nothing(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("x")])
+    before = raw_bytes(vault_db)
+    r = run_cli("revoke", "--yes", env={"PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"})
+    assert r.code == 4, r
+    assert raw_bytes(vault_db) == before
+    assert run_cli("--json", "status").json()["key"] == "present and matching"
+
+
+def test_status_says_when_a_revocation_is_unfinished(vault: Any, vault_db: Path) -> None:
+    assert run_cli("revoke", "--yes", env={"MEMVAULT_FAILPOINT": "revoke-after-mark"}).code \
+        == KILLED
+    st = run_cli("--json", "status").json()
+    assert st["key"].startswith("key revoked (incomplete")
+    assert run_cli("revoke", "--yes").code == 0
+    assert run_cli("--json", "status").json()["key"] == "key revoked"
+
+
+def test_a_resumed_shred_reports_what_the_first_run_destroyed(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user("x"), user("y"), user("z")])
+    for point in ("shred-after-rows",):
+        assert run_cli("shred", "--yes", env={"MEMVAULT_FAILPOINT": point}).code == KILLED
+    receipt = tmp_path / "receipt.json"
+    # The key is gone already, so the rest needs no keyring at all.
+    r = run_cli("--json", "shred", "--yes", "--receipt", str(receipt),
+                env={"PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"})
+    assert r.code == 0, r
+    rep = r.json()
+    assert (rep["items"], rep["sessions"], rep["key_destroyed"], rep["resumed"]) == \
+        (3, 1, True, True)
+    assert not vault_db.exists()
+
+
+def test_shred_of_a_folder_is_not_a_vault(tmp_path: Path) -> None:
+    r = run_cli("--db", str(tmp_path), "shred", "--yes")
+    assert r.code == 3 and "folder" in r.err, r
+
+
+def test_a_symlinked_source_is_shredded_where_it_really_is(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from agents import SQLiteSession
+
+    real = tmp_path / "real" / "carnet.db"
+    real.parent.mkdir()
+
+    async def go() -> None:
+        s = SQLiteSession("carnet-local", real)
+        await s.add_items([user("PLAIN-CANARY")])
+        s.close()
+
+    asyncio.run(go())
+    link = tmp_path / "link.db"
+    os.symlink(real, link)
+    r = run_cli("import", str(link), "--shred-source", "--yes")
+    assert r.code == 0, r
+    assert not any(real.with_name(real.name + s).exists() for s in ("", "-wal", "-shm", "-journal"))
+    assert run_cli("--json", "show", "carnet-local").json()["items"] == [user("PLAIN-CANARY")]
