@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import keyring
+import pytest
 
 from tests.conftest import add_items, raw_bytes, run_cli, user
 from vault import Vault, crypto
@@ -119,16 +120,18 @@ def test_status_says_when_a_revocation_is_unfinished(vault: Any, vault_db: Path)
     assert run_cli("--json", "status").json()["key"] == "key revoked"
 
 
+@pytest.mark.parametrize("point", ["shred-after-key", "shred-after-rows",
+                                   "shred-during-overwrite"])
 def test_a_resumed_shred_reports_what_the_first_run_destroyed(
-    vault: Any, vault_db: Path, tmp_path: Path
+    vault: Any, vault_db: Path, tmp_path: Path, point: str
 ) -> None:
     add_items(vault_db, "s", [user("x"), user("y"), user("z")])
-    for point in ("shred-after-rows",):
-        assert run_cli("shred", "--yes", env={"MEMVAULT_FAILPOINT": point}).code == KILLED
+    assert run_cli("shred", "--yes", env={"MEMVAULT_FAILPOINT": point}).code == KILLED
     receipt = tmp_path / "receipt.json"
-    # The key is gone already, so the rest needs no keyring at all.
-    r = run_cli("--json", "shred", "--yes", "--receipt", str(receipt),
-                env={"PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"})
+    # Once the first run recorded the key's destruction, the rest needs no keyring at all.
+    env = {} if point == "shred-after-key" else {
+        "PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"}
+    r = run_cli("--json", "shred", "--yes", "--receipt", str(receipt), env=env)
     assert r.code == 0, r
     rep = r.json()
     assert (rep["items"], rep["sessions"], rep["key_destroyed"], rep["resumed"]) == \

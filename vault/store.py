@@ -249,8 +249,8 @@ def _file_header(path: Path) -> bytes:
         return fh.read(100)
 
 
-def _check_header(path: Path) -> None:
-    """Reject what is plainly not a vault before SQLite touches (or creates) anything."""
+def _read_header(path: Path) -> bytes:
+    """The file's first bytes, or the error that says why there is no vault file."""
     if not path.exists():
         raise NotAVault(
             f"no vault at {path}; create one with `memvault init`, or point --db / "
@@ -259,11 +259,16 @@ def _check_header(path: Path) -> None:
     if path.is_dir():
         raise NotAVault(f"{path} is a folder, not a vault file; give the vault's file path")
     try:
-        header = _file_header(path)
+        return _file_header(path)
     except OSError as exc:
         raise OperationFailed(
-            f"cannot read {path} ({exc.strerror}); check its permissions"
+            f"cannot read {path} ({exc.strerror}); check its permissions; nothing was changed"
         ) from None
+
+
+def _check_header(path: Path) -> None:
+    """Reject what is plainly not a vault before SQLite touches (or creates) anything."""
+    header = _read_header(path)
     if header.startswith(SHRED_MAGIC):
         raise NotAVault(
             f"{path} is a vault whose shred was interrupted; run `memvault shred` "
@@ -1118,22 +1123,14 @@ def shred(
     finished by the next run, with the same report.
     """
     path = paths.resolve_db_path(db)
-    if not path.exists():
-        raise NotAVault(f"no vault at {path}; nothing to shred")
-    if path.is_dir():
-        raise NotAVault(f"{path} is a folder, not a vault file; give the vault's file path")
-    try:
-        header = _file_header(path)
-    except OSError as exc:
-        raise OperationFailed(
-            f"cannot read {path} ({exc.strerror}); nothing was destroyed"
-        ) from None
+    header = _read_header(path)
     report: dict[str, Any] = {"path": str(path), "resumed": False}
     if header.startswith(SHRED_MAGIC):
         # Interrupted after the key and the rows were gone: finish the overwrite.
         try:
-            stamp = json.loads(_file_header(path)[len(SHRED_MAGIC) :].split(b"\n")[0])
-        except ValueError:
+            with open(path, "rb") as fh:
+                stamp = json.loads(fh.read(4096)[len(SHRED_MAGIC) :].split(b"\n")[0])
+        except (OSError, ValueError):
             stamp = {}
         report.update(stamp)
         report["resumed"] = True
@@ -1157,10 +1154,10 @@ def shred(
                 meta = _read_meta(conn, path)
                 vault_id = meta["vault_id"]
                 kid = meta.get("revoked_kid", meta["kid"])
+                fields = ("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid")
                 if "shred_started" in meta:
-                    # A shred was cut off after destroying the key: finish it as it began.
-                    done = json.loads(meta["shred_started"])
-                    report.update(done)
+                    # A shred was cut off: finish it as it began, with its counts.
+                    report.update(json.loads(meta["shred_started"]))
                     report["resumed"] = True
                 else:
                     report["vault_id"], report["kid"] = vault_id, kid
@@ -1171,15 +1168,24 @@ def shred(
                     report["items"] = conn.execute(
                         f"SELECT count(*) FROM {MESSAGES_TABLE}"
                     ).fetchone()[0]
+                    report["key_destroyed"] = report["foreign_kid"] = None
+                    # Recorded before the key goes, so a resumed run reports these counts.
+                    # In exclusive locking mode the lock outlives this commit.
+                    _set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
+                    conn.execute("COMMIT")
+                    conn.execute("BEGIN EXCLUSIVE")
+                if report.get("key_destroyed") is None:
                     # The key goes first: from here on a crash leaves only unreadable
                     # ciphertext. Only this file's key: another copy's stays (see above).
                     ks = keystore or KeyStore()
                     ks.check_usable()
-                    report.update(destroy_keys(ks, vault_id, {meta["kid"], kid}))
+                    outcome = destroy_keys(ks, vault_id, {meta["kid"], kid})
+                    if report["resumed"]:
+                        # The cut-off run may have destroyed it already: it is gone either way.
+                        outcome["key_destroyed"] = True
+                    report.update(outcome)
                     failpoint("shred-after-key")
-                    _set_meta(conn, shred_started=json.dumps(
-                        {k: report[k] for k in ("vault_id", "kid", "sessions", "items",
-                                                "key_destroyed", "foreign_kid")}))
+                    _set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
                 conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
                 conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
                 conn.execute("DELETE FROM memvault_audit")
