@@ -672,7 +672,11 @@ class Vault:
             out["key"] = "present and matching"
         except KeyRevoked:
             out["key"] = "key revoked"
-            if not self.revocation_complete():
+            try:
+                complete = self.revocation_complete()
+            except KeyProblem:
+                complete = True  # no keyring to ask: the file's mark is all there is to say
+            if not complete:
                 out["key"] = "key revoked (incomplete: the key is still in the keyring)"
                 out["key_problem"] = "run `memvault revoke` again to finish destroying it"
         except KeyProblem as exc:
