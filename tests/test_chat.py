@@ -9,23 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import assistant, raw_bytes, run_cli, user
+from vault.demo import user_texts
 
 FACTORY = "tests.test_chat:scripted_model"
 CODE = "ZEPHYR-4821"
-
-
-def _user_texts(model_input: Any) -> list[str]:
-    if isinstance(model_input, str):
-        return [model_input]
-    out = []
-    for item in model_input:
-        if isinstance(item, dict) and item.get("role") == "user":
-            content = item.get("content")
-            if isinstance(content, str):
-                out.append(content)
-            elif isinstance(content, list):
-                out.extend(c.get("text", "") for c in content if isinstance(c, dict))
-    return out
 
 
 def scripted_model() -> Any:
@@ -38,7 +25,7 @@ def scripted_model() -> Any:
         if log:
             with open(log, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(call.input, default=str) + "\n")
-        texts = _user_texts(call.input)
+        texts = user_texts(call.input)
         last = texts[-1] if texts else ""
         if "FAIL" in last:
             return RuntimeError("the scripted model was told to fail")
@@ -93,7 +80,7 @@ def test_second_run_resumes_the_first(vault: Any, vault_db: Path, tmp_path: Path
     (model_input,) = calls(log2)
     # The second process's model was given the first process's conversation.
     assert CODE in json.dumps(model_input)
-    assert _user_texts(model_input) == [f"My code name is {CODE}.", "What was my code name?"]
+    assert user_texts(model_input) == [f"My code name is {CODE}.", "What was my code name?"]
     assert "after 1 earlier message(s)" in r2.out
     assert CODE not in json.dumps(calls(log1)[0][:-1])  # the first run started empty
     assert len(items(vault, "carnet")) == 4
@@ -123,7 +110,7 @@ def test_undo_removes_the_reply_and_the_message(vault: Any, tmp_path: Path) -> N
     assert [i.get("role") for i in stored] == ["user", "assistant", "user", "assistant"]
     assert stored[0] == user("first") and stored[2] == user("third")
     # The model of the turn after /undo no longer saw "second".
-    assert _user_texts(calls(log)[-1]) == ["first", "third"]
+    assert user_texts(calls(log)[-1]) == ["first", "third"]
 
 
 def test_clear_empties_the_session(vault: Any, vault_db: Path, tmp_path: Path) -> None:
@@ -134,7 +121,7 @@ def test_clear_empties_the_session(vault: Any, vault_db: Path, tmp_path: Path) -
     r = chat("carnet", [f"remember {CODE}", "/clear", "what do you remember?", "/exit"], log)
     assert r.code == 0, r
     assert "cleared session carnet (2 item(s) deleted)" in r.out
-    assert _user_texts(calls(log)[-1]) == ["what do you remember?"]
+    assert user_texts(calls(log)[-1]) == ["what do you remember?"]
     stored = items(vault, "carnet")
     assert len(stored) == 2 and stored[0] == user("what do you remember?")
     assert CODE not in json.dumps(stored)
@@ -151,7 +138,7 @@ def test_a_failed_model_call_leaves_the_history_whole(vault: Any, tmp_path: Path
     stored = items(vault, "carnet")
     assert [s.get("role") for s in stored] == ["user", "assistant", "user", "assistant"]
     assert "please FAIL now" not in json.dumps(stored)
-    assert _user_texts(calls(log)[-1]) == ["hello", "still there?"]
+    assert user_texts(calls(log)[-1]) == ["hello", "still there?"]
 
 
 def test_help_has_an_example() -> None:

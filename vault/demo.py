@@ -37,7 +37,7 @@ CODE_PATTERN = re.compile(r"\b[A-Z]{3,}-\d{2,}\b")
 # --------------------------------------------------------------------------
 # The model: real when OPENAI_API_KEY is set, else a stand-in bound to history.
 # --------------------------------------------------------------------------
-def _text_of(items: Any) -> list[str]:
+def user_texts(items: Any) -> list[str]:
     """The user texts in the model's input, oldest first."""
     if isinstance(items, str):
         return [items]
@@ -54,7 +54,7 @@ def _text_of(items: Any) -> list[str]:
 
 def offline_answer(model_input: Any) -> str:
     """Answer only from the history given: find a code name in earlier user turns."""
-    texts = _text_of(model_input)
+    texts = user_texts(model_input)
     earlier, last = texts[:-1], (texts[-1] if texts else "")
     if CODE_PATTERN.search(last) and "?" not in last:
         return f"Noted: {CODE_PATTERN.search(last).group(0)}."  # type: ignore[union-attr]
