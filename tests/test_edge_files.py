@@ -323,6 +323,19 @@ def test_shred_checks_the_vault_exists_before_asking(vault_db: Path) -> None:
     assert "Destroy" not in r.err
 
 
+def test_shred_refuses_a_sqlite_file_that_is_no_vault_before_asking(tmp_path: Path) -> None:
+    other = tmp_path / "app.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.execute("INSERT INTO notes VALUES ('keep me')")
+    conn.commit()
+    conn.close()
+    before = other.read_bytes()
+    r = run_cli("--db", str(other), "shred", input="y\n")
+    one_line(r, 3, "not a memvault vault")
+    assert "Destroy" not in r.err and other.read_bytes() == before
+
+
 def test_shred_prompt_names_the_vault(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("x")])
     before = raw_bytes(vault_db)

@@ -1322,12 +1322,16 @@ def shred_target(db: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     if header.startswith(SHRED_MAGIC):
         vault_id = _read_stamp(path).get("vault_id")
     elif not files.odd_entries(paths.sidecars(path)[1:]):
-        with contextlib.suppress(sqlite3.Error, VaultError):
+        try:
             conn = connect(path, timeout=SCRUB_WAIT)  # as any command would: no trace left
             try:
                 vault_id = _read_meta(conn, path).get("vault_id")
             finally:
                 conn.close()
+        except NotAVault:
+            raise  # a readable SQLite file that is no vault: refused before anyone is asked
+        except (sqlite3.Error, VaultError):
+            pass  # damaged or busy: shred itself decides
     return {"path": path, "vault_id": vault_id}
 
 
