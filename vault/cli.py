@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from . import __version__, crypto
-from .errors import EXIT_FAILED, VaultBusy, VaultError
+from .errors import EXIT_FAILED, OperationFailed, VaultBusy, VaultError
 from .store import DEFAULT_TTL, Progress, Vault, shred
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -275,6 +275,8 @@ def status() -> None:
         click.echo(f"rotated    {st['rotated_at']}")
         if st["scrub_pending"]:
             click.echo("scrub      pending (old bytes may remain until the next command)")
+        if st.get("shred_interrupted"):
+            click.echo("shred      interrupted: run `memvault shred` again to finish it")
 
     emit(st, human)
 
@@ -503,57 +505,75 @@ def revoke(yes: bool) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
     "--receipt",
-    type=click.Path(dir_okay=False, writable=True),
     metavar="FILE",
-    help="Write a JSON record of what was destroyed.",
+    help="Write a JSON record of what was destroyed to FILE, a new file (mode 0600).",
 )
 @common
 def shred_cmd(yes: bool, receipt: str | None) -> None:
     """Destroy the key, the rows and the files (database, -wal, -shm, -journal).
 
-    Works without the key. On SSDs and copy-on-write filesystems overwriting is
-    not a guarantee; destroying the key is (see SECURITY.md).
+    Works without the key, and on a damaged file SQLite cannot read (then only
+    the keys its bytes still name can be destroyed; the report says so). Only
+    regular files are overwritten: a symbolic link, FIFO or device at a side
+    file's name is removed without being followed. On SSDs and copy-on-write
+    filesystems overwriting is not a guarantee; destroying the key is (see
+    SECURITY.md).
+
+    --receipt FILE must name a new file in an existing, writable folder: an
+    existing file or link is never replaced. It is checked before anything is
+    destroyed (exit 2 if unusable).
 
     \b
     Example:
       memvault shred --yes --receipt shred-receipt.json
     """
-    from .paths import resolve_db_path
+    from .files import check_new_file, write_private
+    from .store import _regular_files, shred_target
 
-    path = resolve_db_path(state().db)
-    confirm(f"Destroy the vault {path}, its key and its files?", yes)
-    size = sum(p.stat().st_size for p in _present(path))
+    target = shred_target(state().db)  # no vault, nothing asked (exit 3)
+    path = target["path"]
+    if receipt:
+        check_new_file(receipt, "receipt")
+    named = f" {target['vault_id']}" if target["vault_id"] else ""
+    confirm(f"Destroy the vault{named} at {path}, its key and its files?", yes)
+    size = sum(n for _, n in _regular_files(path))
     with _bar(size, "overwriting") as bar:
 
         def resize(total: int) -> None:
             bar.length = max(total, 1)  # the checkpoint may have emptied the WAL
 
         r = shred(path, progress=bar.update if bar else None, on_total=resize if bar else None)
+    failure = None
     if receipt:
-        _write_private(receipt, json.dumps(r, indent=2, sort_keys=True) + "\n")
-    emit(
-        r,
-        lambda: click.echo(
-            f"shredded {r['path']}: {r['items']} item(s) in {r['sessions']} session(s); key "
-            f"{'destroyed' if r.get('key_destroyed') else 'already gone'}; files "
-            + ", ".join(f"{f['name']} ({f['size']} bytes)" for f in r["files"])
-        ),
+        try:
+            write_private(receipt, (json.dumps(r, indent=2, sort_keys=True) + "\n").encode())
+        except OSError as exc:
+            failure = (
+                f"the vault was shredded, but the receipt {receipt} could not be written "
+                f"({exc.strerror}); keep the summary printed above instead"
+            )
+    emit(r, lambda: click.echo(_shred_summary(r)))
+    if failure:
+        raise OperationFailed(failure)
+
+
+def _shred_summary(r: dict[str, Any]) -> str:
+    def one(f: dict[str, Any]) -> str:
+        if f.get("kind", "file") == "file":
+            return f"{f['name']} ({f['size']} bytes)"
+        return f"{f['name']} ({f['kind']} removed, not followed)"
+
+    if r.get("items") is None:
+        counts = "damaged file, contents not counted"
+    else:
+        counts = f"{r['items']} item(s) in {r['sessions']} session(s)"
+    key = "destroyed" if r.get("key_destroyed") else "already gone"
+    if r.get("key_problem"):
+        key = f"not destroyed: {r['key_problem']}"
+    return (
+        f"shredded {r['path']}: {counts}; key {key}; files "
+        + ", ".join(one(f) for f in r["files"])
     )
-
-
-def _present(path: Any) -> list[Any]:
-    from .paths import sidecars
-
-    return [p for p in sidecars(path) if p.exists()]
-
-
-def _write_private(target: str, text: str) -> None:
-    try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-    except OSError as exc:
-        raise VaultError(f"cannot write {target} ({exc.strerror})") from None
 
 
 @cli.command()

@@ -37,12 +37,13 @@ import hashlib
 import json
 import os
 import sqlite3
+import stat
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import crypto, paths
+from . import crypto, files, paths
 from .errors import BadInput, OperationFailed, UnknownSession, VaultBusy
 from .store import (
     MESSAGES_TABLE,
@@ -51,8 +52,6 @@ from .store import (
     Progress,
     Vault,
     _audit,
-    _fsync_dir,
-    _overwrite,
     failpoint,
     utcnow,
 )
@@ -161,6 +160,18 @@ class Importer:
             raise BadInput(f"{src} is a folder; give the path of a SQLiteSession database file")
         if src == self.vault.path:
             raise OperationFailed(f"{src} is the vault itself; give a plaintext SQLiteSession file")
+        mode = os.stat(src).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the read below for ever
+            raise BadInput(
+                f"{src} is a {files.kind(mode)}; give the path of a SQLiteSession database file"
+            )
+        odd = files.odd_entries(paths.sidecars(src)[1:])
+        if odd:
+            p, what = odd[0]
+            raise OperationFailed(
+                f"{p} is a {what}, not a file SQLite made; SQLite would write through it; "
+                f"remove it (`rm {p}` removes only the name) and retry; nothing was imported"
+            )
         try:
             with open(src, "rb") as fh:
                 header = fh.read(len(SQLITE_MAGIC))
@@ -381,8 +392,7 @@ class Importer:
         present = [p for p in paths.sidecars(src) if p.exists()]
         for p in present:
             try:
-                with open(p, "r+b"):
-                    pass
+                os.close(os.open(p, os.O_RDWR | files.NO_FOLLOW))
             except OSError as exc:
                 raise OperationFailed(
                     f"cannot overwrite {p} ({exc.strerror}); --shred-source needs write "
@@ -519,25 +529,29 @@ class Importer:
                 f"every session is in the vault, but deleting the rows of {src} failed ({exc}); "
                 "the source is intact; remove it yourself"
             ) from None
-        present = [p for p in reversed(paths.sidecars(src)) if p.exists()]
-        sizes = {p: p.stat().st_size for p in present}
+        sizes: dict[Path, int] = {}
         try:
             # While this connection still holds the exclusive lock: WAL first (it may hold
-            # plaintext frames), then -shm and -journal, then the database.
-            for p in present:
-                _overwrite(p)
+            # plaintext frames), then -shm and -journal, then the database. Regular files
+            # only: a link planted since the checks is never followed.
+            for p in reversed(paths.sidecars(src)):
+                size = files.overwrite(p)
+                if size is not None:
+                    sizes[p] = size
             self.close()
+            done = []
             for p in paths.sidecars(src):
-                if p.exists():
-                    sizes.setdefault(p, p.stat().st_size)
-                    _overwrite(p)  # again: closing may have written to it
-                    p.unlink()
-            _fsync_dir(src.parent)
-            files = [{"name": p.name, "size": sizes[p]} for p in paths.sidecars(src) if p in sizes]
+                entry = files.destroy(p)  # again: closing may have written to it
+                if entry:
+                    entry["size"] = max(entry["size"], sizes.get(p, 0))
+                    done.append(entry)
+                elif p in sizes:  # overwritten above, then removed by SQLite on close
+                    done.append({"name": p.name, "size": sizes[p], "kind": "file"})
+            files.fsync_dir(src.parent)
         except OSError as exc:
             raise OperationFailed(
                 f"every session is in the vault and the source's rows are deleted, but "
                 f"overwriting {exc.filename or src} failed ({exc.strerror}); remove the "
                 "source files yourself"
             ) from None
-        return {"path": str(src), "rows": rows, "files": files}
+        return {"path": str(src), "rows": rows, "files": done}

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import os
 import secrets
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +39,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-from . import crypto
+from . import crypto, files
 from .errors import (
     BadInput,
     KeyMismatch,
@@ -216,34 +214,8 @@ def write_private(path: str | os.PathLike[str], text: str, force: bool = False) 
     target = Path(path)
     if target.is_dir():
         raise BadInput(f"{target} is a folder; give a file name for the recovery kit")
-    data = text.encode("utf-8")
     try:
-        if force:
-            fd, tmp = tempfile.mkstemp(prefix=".memvault-kit-", dir=target.parent or ".")
-            try:
-                os.fchmod(fd, 0o600)
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.replace(tmp, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        else:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            try:
-                os.fchmod(fd, 0o600)  # whatever the umask did
-                os.write(fd, data)
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(target)
-                raise
-            os.close(fd)
+        return files.write_private(target, text.encode("utf-8"), replace=force)
     except FileExistsError:
         raise OperationFailed(
             f"{target} already exists; choose another file name, or pass --force to replace it"
@@ -251,10 +223,6 @@ def write_private(path: str | os.PathLike[str], text: str, force: bool = False) 
     except OSError as exc:
         raise OperationFailed(f"cannot write {target} ({exc.strerror}); no kit was written") \
             from None
-    from .store import _fsync_dir
-
-    _fsync_dir(target.absolute().parent)
-    return target
 
 
 # --------------------------------------------------------------------------

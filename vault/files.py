@@ -1,0 +1,220 @@
+"""The few ways memvault touches files outside SQLite, each written once.
+
+A name beside the vault (`history.db-wal`, a receipt, a kit) may be a symbolic
+link, a FIFO or a device that someone planted. Nothing here follows a link or
+opens anything but a regular file: a private file is created with O_NOFOLLOW
+(or renamed into place), a file to destroy is checked with `lstat` and opened
+with O_NOFOLLOW, and a vault path is checked with `stat` before SQLite opens it
+(opening a FIFO would block for ever).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import BadInput, NotAVault
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in after lstat must not block us
+# Flags for opening a name that `lstat` said is a regular file.
+NO_FOLLOW = _NOFOLLOW | _NONBLOCK
+
+
+def kind(mode: int) -> str:
+    """What a file-system entry is, in words a user knows."""
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a create, rename or unlink in `folder` durable."""
+    with contextlib.suppress(OSError):  # not every platform lets you open a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def require_regular(path: Path) -> None:
+    """Raise NotAVault unless `path` is a regular file; `stat` only, never `open`.
+
+    Missing files are the caller's business (FileNotFoundError propagates).
+    """
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise NotAVault(f"{path} is a folder, not a vault file; give the vault's file path")
+    if not stat.S_ISREG(mode):
+        raise NotAVault(
+            f"{path} is a {kind(mode)}, not a vault file; point --db or MEMVAULT_DB at "
+            "the vault's file"
+        )
+
+
+def odd_entries(paths: list[Path]) -> list[tuple[Path, str]]:
+    """The names among `paths` that exist and are not regular files (links not followed)."""
+    out = []
+    for p in paths:
+        try:
+            mode = os.lstat(p).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            out.append((p, kind(mode)))
+    return out
+
+
+def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
+    """Refuse (exit 2) a path where `write_private` could not create a new file.
+
+    Run before anything irreversible, so that a bad path costs nothing.
+    """
+    target = Path(path)
+    try:
+        mode: int | None = os.lstat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise BadInput(f"cannot use {target} for the {what} ({exc.strerror})") from None
+    if mode is not None:
+        if stat.S_ISREG(mode):
+            raise BadInput(
+                f"{target} already exists; an existing file is never replaced; give a new "
+                f"file name for the {what}"
+            )
+        raise BadInput(
+            f"{target} is a {kind(mode)}; give the name of a new file for the {what}"
+        )
+    folder = target.absolute().parent
+    if not folder.is_dir():
+        raise BadInput(f"the folder {folder} does not exist; create it or choose another "
+                       f"folder for the {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise BadInput(f"the folder {folder} is not writable; choose another folder for the "
+                       f"{what}")
+    return target
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = False) -> Path:
+    """Create `path` 0600 holding `data`, fsynced, folder fsynced.
+
+    Without `replace`, a new file only (O_CREAT | O_EXCL | O_NOFOLLOW): an existing
+    name, link or not, raises FileExistsError. With `replace`, a new 0600 file in the
+    same folder is renamed over the old name, so the old file's mode, owner or link
+    target never carry over. Raises OSError; callers phrase it.
+    """
+    target = Path(path)
+    folder = target.absolute().parent
+    if replace:
+        fd, tmp = tempfile.mkstemp(prefix=".memvault-", dir=folder)
+        try:
+            os.fchmod(fd, 0o600)
+            _write_all(fd, data)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, target)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    else:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask did
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+            raise
+        os.close(fd)
+    fsync_dir(folder)
+    return target
+
+
+def overwrite(
+    path: Path, header: bytes = b"", progress: Callable[[int], None] | None = None
+) -> int | None:
+    """Overwrite a regular file in place with `header` then zeros, and fsync it.
+
+    Returns its size, or None when `path` is missing or not a regular file (a link
+    is never followed, a FIFO or device never opened).
+    """
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(before.st_mode):
+        return None
+    fd = os.open(path, os.O_RDWR | _NOFOLLOW | _NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (
+            before.st_dev,
+            before.st_ino,
+        ):
+            raise OSError(errno.EAGAIN, "the file was replaced while being shredded", str(path))
+        size = st.st_size
+        head = header[:size]
+        _write_all(fd, head)
+        done = len(head)
+        if progress:
+            progress(done)
+        chunk = bytes(1 << 20)
+        while done < size:
+            n = os.write(fd, chunk[: min(len(chunk), size - done)])
+            done += n
+            if progress:
+                progress(n)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size
+
+
+def destroy(
+    path: Path, header: bytes = b"", progress: Callable[[int], None] | None = None
+) -> dict[str, Any] | None:
+    """Overwrite then unlink a regular file; unlink any other entry without opening it.
+
+    A symbolic link is removed, never followed: its target is left untouched. A
+    folder is refused (IsADirectoryError). Returns {"name", "size", "kind"}, or None
+    when nothing was there. The caller fsyncs the folder.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "a folder is in the way", str(path))
+    size = overwrite(path, header, progress) if stat.S_ISREG(mode) else None
+    os.unlink(path)
+    return {"name": path.name, "size": size or 0, "kind": kind(mode)}
