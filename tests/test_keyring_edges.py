@@ -290,3 +290,42 @@ def test_a_bad_keyring_timeout_is_a_usage_error(filled: Path, value: str) -> Non
 def test_a_sane_keyring_timeout_is_accepted(filled: Path) -> None:
     r = run("show", "s", set_env={"MEMVAULT_KEYRING_TIMEOUT": "30"})
     assert r.code == 0 and "x" in r.out, r
+
+
+# -- The private keyring the suite runs in (scripts/with-keyring) ----------------
+DAEMON_DIES = r"""
+set -e
+cd "$1"
+python -m vault --db "$2" init >/dev/null
+pid=$(python - <<'P'
+from jeepney import DBusAddress, new_method_call
+from jeepney.io.blocking import open_dbus_connection
+bus = DBusAddress("/org/freedesktop/DBus", bus_name="org.freedesktop.DBus",
+                  interface="org.freedesktop.DBus")
+with open_dbus_connection("SESSION") as conn:
+    call = new_method_call(bus, "GetConnectionUnixProcessID", "s", ("org.freedesktop.secrets",))
+    print(conn.send_and_get_reply(call, timeout=30).body[0])
+P
+)
+# Only this private keyring's own daemon, found through its own private bus.
+kill -KILL "$pid"
+while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+set +e
+python -m vault --db "$2" sessions
+echo "exit=$?" >&2
+"""
+
+
+@pytest.mark.slow
+def test_the_private_keyring_comes_back_unlocked_if_its_daemon_dies(tmp_path: Path) -> None:
+    # D-Bus restarts a dead daemon on the next call; it must come back unlocked, with the
+    # keys it held, or every later test meets a locked keyring.
+    env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_IN_PRIVATE_KEYRING"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "with-keyring"), "bash", "-c", DAEMON_DIES, "x", str(ROOT),
+         str(tmp_path / "h.db")],
+        capture_output=True, text=True, env=env, timeout=240,
+    )
+    assert proc.stderr.strip().splitlines()[-1:] == ["exit=0"], proc.stderr
+    assert proc.stdout.strip() == "no sessions", proc.stdout
