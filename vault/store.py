@@ -443,6 +443,8 @@ class Vault:
     # -- plumbing -------------------------------------------------------
     @contextlib.contextmanager
     def _connect(self, timeout: float | None = None) -> Iterator[sqlite3.Connection]:
+        if not self.path.exists():
+            _read_header(self.path)  # shredded or moved since this object opened it
         with sqlite_errors(self.path):
             conn = connect(self.path, timeout)
         try:
