@@ -222,7 +222,8 @@ def test_reads_during_rotations_in_another_process_see_no_tampering(
     rotations = 0
     while reader.poll() is None:
         r = run_cli("rotate")
-        assert r.code == 0, r
+        # 5: rotated, but a reader's snapshot kept the scrub from finishing (documented).
+        assert r.code == 0 or (r.code == 5 and "rotated" in r.out), r
         rotations += 1
     out, _ = reader.communicate(timeout=600)
     assert reader.returncode == 0

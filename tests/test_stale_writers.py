@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,16 +98,21 @@ def child(script: str, *args: str, stop: Path) -> Iterator[list[dict[str, Any]]]
         proc.kill()
         raise AssertionError(f"child did not start: {first!r} {proc.communicate()[1][-2000:]}")
     lines: list[dict[str, Any]] = []
+    out_lines: list[str] = []
+    # Drain stdout as it comes: a child blocked on a full pipe (64 KiB) would stop reading.
+    drain = threading.Thread(target=lambda: out_lines.extend(proc.stdout or []), daemon=True)
+    drain.start()
     try:
         yield lines
     finally:
         stop.touch()
         try:
-            out, err = proc.communicate(timeout=120)
+            _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
-        lines.extend(json.loads(line) for line in out.splitlines() if line.strip())
+            _, err = proc.communicate()
+        drain.join(timeout=60)
+        lines.extend(json.loads(line) for line in out_lines if line.strip())
         assert proc.returncode == 0, err[-3000:]
 
 

@@ -196,14 +196,17 @@ class VaultSession(EncryptedSession):
     async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
         deadline = time.monotonic() + lock_timeout()
         while True:
+            sealed_with = self._kid
             try:
                 await super().add_items(items, wrapper=wrapper)
                 return
             except sqlite3.IntegrityError as exc:
-                # The triggers refused our key id: another process rotated. Reseal and retry.
+                # The triggers refused our key id: another process rotated. Reseal and retry
+                # (the key may already have been reloaded while the items were being stored).
                 if GUARD_MESSAGE not in str(exc):
                     raise translate(exc, self._db_path) from exc
-                if not await asyncio.to_thread(self._refresh):
+                await asyncio.to_thread(self._refresh)
+                if self._kid == sealed_with:
                     raise translate(exc, self._db_path) from exc
             except sqlite3.OperationalError as exc:
                 if "locked" in str(exc) and time.monotonic() < deadline:
