@@ -99,21 +99,27 @@ def child(script: str, *args: str, stop: Path) -> Iterator[list[dict[str, Any]]]
         raise AssertionError(f"child did not start: {first!r} {proc.communicate()[1][-2000:]}")
     lines: list[dict[str, Any]] = []
     out_lines: list[str] = []
-    # Drain stdout as it comes: a child blocked on a full pipe (64 KiB) would stop reading.
-    drain = threading.Thread(target=lambda: out_lines.extend(proc.stdout or []), daemon=True)
-    drain.start()
+    err_lines: list[str] = []
+    # Drain both pipes as they fill: a child blocked on a full pipe (64 KiB) stops working.
+    drains = [
+        threading.Thread(target=lambda: out_lines.extend(proc.stdout or []), daemon=True),
+        threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True),
+    ]
+    for d in drains:
+        d.start()
     try:
         yield lines
     finally:
         stop.touch()
         try:
-            _, err = proc.communicate(timeout=120)
+            proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
-        drain.join(timeout=60)
+            proc.wait()
+        for d in drains:
+            d.join(timeout=60)
         lines.extend(json.loads(line) for line in out_lines if line.strip())
-        assert proc.returncode == 0, err[-3000:]
+        assert proc.returncode == 0, "".join(err_lines)[-3000:]
 
 
 def ballast(db: Path, sealer: crypto.Sealer, n: int) -> None:
