@@ -18,7 +18,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,28 +97,17 @@ def child(script: str, *args: str, stop: Path) -> Iterator[list[dict[str, Any]]]
         proc.kill()
         raise AssertionError(f"child did not start: {first!r} {proc.communicate()[1][-2000:]}")
     lines: list[dict[str, Any]] = []
-    out_lines: list[str] = []
-    err_lines: list[str] = []
-    # Drain both pipes as they fill: a child blocked on a full pipe (64 KiB) stops working.
-    drains = [
-        threading.Thread(target=lambda: out_lines.extend(proc.stdout or []), daemon=True),
-        threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True),
-    ]
-    for d in drains:
-        d.start()
     try:
         yield lines
     finally:
         stop.touch()
         try:
-            proc.wait(timeout=120)
+            out, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-        for d in drains:
-            d.join(timeout=60)
-        lines.extend(json.loads(line) for line in out_lines if line.strip())
-        assert proc.returncode == 0, "".join(err_lines)[-3000:]
+            out, err = proc.communicate()
+        lines.extend(json.loads(line) for line in out.splitlines() if line.strip())
+        assert proc.returncode == 0, err[-3000:]
 
 
 def ballast(db: Path, sealer: crypto.Sealer, n: int) -> None:
