@@ -375,9 +375,17 @@ def pop(session_id: str, count: int) -> None:
 @cli.command()
 @click.argument("session_id", metavar="SESSION")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--include-unreadable",
+    is_flag=True,
+    help="Also delete items that fail authentication (refused by default).",
+)
 @common
-def clear(session_id: str, yes: bool) -> None:
+def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
     """Empty SESSION; other sessions in the file are untouched.
+
+    Refuses, deleting nothing, if an item of SESSION fails authentication
+    (tampered, corrupt or under another key), unless --include-unreadable.
 
     \b
     Example:
@@ -386,10 +394,19 @@ def clear(session_id: str, yes: bool) -> None:
     vault = open_vault()
     vault.sealer()  # fail on the key before asking anything
     confirm(f"Delete every item of session {session_id!r}?", yes)
-    n = vault.clear(session_id)
+    n = vault.clear(session_id, include_unreadable=include_unreadable)
+    bad = vault.cleared_unreadable
     emit(
-        {"session_id": session_id, "deleted": n, "scrubbed": not vault.scrub_incomplete},
-        lambda: click.echo(f"cleared {session_id}: {n} item(s) deleted"),
+        {
+            "session_id": session_id,
+            "deleted": n,
+            "unreadable_deleted": bad,
+            "scrubbed": not vault.scrub_incomplete,
+        },
+        lambda: click.echo(
+            f"cleared {session_id}: {n} item(s) deleted"
+            + (f", {bad} of them unreadable" if bad else "")
+        ),
     )
     check_scrub(vault)
 

@@ -37,6 +37,14 @@ class VaultCorrupt(VaultError):
     """The file is a vault but SQLite reports damage."""
 
 
+class ItemsUnreadable(OperationFailed):
+    """A delete refused because items do not authenticate (exit 1); `count` says how many."""
+
+    def __init__(self, message: str, count: int) -> None:
+        super().__init__(message)
+        self.count = count
+
+
 class UnknownSession(VaultError):
     """The session id is not in the vault."""
 

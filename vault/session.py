@@ -7,15 +7,20 @@ agent session is actually opened.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import threading
 import time
+import urllib.parse
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agents import SQLiteSession
 from agents.extensions.memory import EncryptedSession
 from cryptography.fernet import InvalidToken
 
-from .store import GUARD_MESSAGE, configure, lock_timeout, translate
+from .errors import NotAVault, UnknownSession
+from .store import GUARD_MESSAGE, configure, lock_timeout, parse_ttl, translate
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -23,14 +28,95 @@ if TYPE_CHECKING:
     from .store import Vault
 
 
+# Stands for "never expires" where the SDK needs a number of seconds.
+NEVER = 1 << 62
+
+
 class VaultSQLiteSession(SQLiteSession):
-    """SQLiteSession whose connections wait for rotations and zero what they delete."""
+    """SQLiteSession whose connections wait for rotations, zero what they delete,
+    never create a file, and notice when another connection changed the file."""
+
+    def __init__(self, session_id: str, db_path: Path) -> None:
+        self._vault_path = db_path
+        self._identity = self._stat_identity()
+        # Called with a connection when the file changed since that connection last looked.
+        self.on_change: Callable[[sqlite3.Connection], None] | None = None
+        self._versions: dict[sqlite3.Connection, int] = {}
+        self.deleted = False  # set by a pop that removed a row, for the scrub
+        super().__init__(session_id, db_path)
 
     @staticmethod
     def _configure_connection(conn: sqlite3.Connection) -> None:
         # The SDK's 5 s busy timeout is shorter than a large rotation: wait instead of failing.
         configure(conn, lock_timeout())
         SQLiteSession._configure_connection(conn)
+
+    def _stat_identity(self) -> tuple[int, int]:
+        try:
+            st = os.stat(self._vault_path)
+        except FileNotFoundError:
+            raise NotAVault(
+                f"the vault at {self._vault_path} is gone (shredded or moved) since this "
+                "session was opened; nothing was read or written"
+            ) from None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self) -> None:
+        """The file this session opened is still the one at the path (not shredded/replaced)."""
+        if self._stat_identity() != self._identity:
+            raise NotAVault(
+                f"the vault at {self._vault_path} was replaced since this session was opened; "
+                "nothing was read or written; open a new session"
+            )
+
+    def _init_db_for_connection(self, conn: sqlite3.Connection) -> None:
+        # The vault created the SDK's tables already; creating them here could only
+        # write into a file that is not the vault.
+        self._check_file()
+
+    def _get_connection(self) -> sqlite3.Connection:
+        # The SDK's thread-local connections, opened with mode=rw: a session that outlives
+        # its vault (shredded meanwhile) must fail, not create an empty file at the path.
+        self._check_not_closed()
+        self._check_file()
+        if not hasattr(self._local, "connection"):
+            with self._connections_lock:
+                self._close_connections_from_exited_threads()
+                for old in [c for c in self._versions if c not in self._connections]:
+                    del self._versions[old]
+            uri = "file:" + urllib.parse.quote(str(self._vault_path)) + "?mode=rw"
+            try:
+                connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+                self._configure_connection(connection)
+            except sqlite3.Error as exc:
+                raise translate(exc, self._vault_path) from exc
+            self._local.connection = connection
+            with self._connections_lock:
+                self._connections.add(connection)
+                self._connection_owners[connection] = threading.current_thread()
+        conn: sqlite3.Connection = self._local.connection
+        self._notice_changes(conn)
+        return conn
+
+    def _notice_changes(self, conn: sqlite3.Connection) -> None:
+        # data_version moves only when another connection committed: one cheap pragma
+        # per call, and the vault's metadata is read again only after a change.
+        try:
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            if self._versions.get(conn) != version:
+                if self.on_change is not None:
+                    self.on_change(conn)
+                self._versions[conn] = version
+        except sqlite3.Error as exc:
+            raise translate(exc, self._vault_path) from exc
+
+    async def _pop_item_with_validation(
+        self, validate: Callable[[Any], None] | None = None
+    ) -> Any:
+        item = await super()._pop_item_with_validation(validate)
+        if item is not None:
+            self.deleted = True
+        return item
 
 
 class VaultSession(EncryptedSession):
@@ -39,19 +125,22 @@ class VaultSession(EncryptedSession):
     After another process rotates, the next write is refused by the file's
     triggers (stale key id) and the next read meets envelopes under an unknown
     kid: either way the session reloads the key from the keyring and goes on.
+    A TTL changed by another process applies from the session's next call.
     """
 
     def __init__(self, vault: Vault, session_id: str) -> None:
         sealer = vault.sealer()
         self._vault = vault
         self._db_path: Path = vault.path
+        underlying = VaultSQLiteSession(session_id, vault.path)
         super().__init__(
             session_id=session_id,
-            underlying_session=VaultSQLiteSession(session_id, vault.path),
+            underlying_session=underlying,
             encryption_key=sealer.master_key,
             ttl=vault.ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
         )
         self._use(sealer)
+        underlying.on_change = self._on_change
 
     def _use(self, sealer: Any) -> None:
         self.cipher = sealer.fernet(self.session_id)
@@ -64,6 +153,18 @@ class VaultSession(EncryptedSession):
         self._use(sealer)
         self.ttl = self._vault.ttl  # type: ignore[assignment]
         return changed
+
+    def _on_change(self, conn: sqlite3.Connection) -> None:
+        meta = dict(
+            conn.execute(
+                "SELECT key, value FROM memvault_meta WHERE key IN ('kid', 'ttl_seconds')"
+            ).fetchall()
+        )
+        if "kid" not in meta:
+            raise NotAVault(f"{self._db_path} lacks the vault's kid; it is not a usable vault")
+        self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
+        if meta["kid"] != self._kid:
+            self._refresh()
 
     def _file_kid(self) -> str:
         return self._vault.meta()["kid"]
@@ -85,21 +186,27 @@ class VaultSession(EncryptedSession):
         # than return a partial or empty history.
         while True:
             kid = self._kid
-            items = await super().get_items(limit, wrapper=wrapper)
+            try:
+                items = await super().get_items(limit, wrapper=wrapper)
+            except sqlite3.Error as exc:
+                raise translate(exc, self._db_path) from exc
             if self._kid == kid:
                 return items
 
     async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
         deadline = time.monotonic() + lock_timeout()
         while True:
+            sealed_with = self._kid
             try:
                 await super().add_items(items, wrapper=wrapper)
                 return
             except sqlite3.IntegrityError as exc:
-                # The triggers refused our key id: another process rotated. Reseal and retry.
+                # The triggers refused our key id: another process rotated. Reseal and retry
+                # (the key may already have been reloaded while the items were being stored).
                 if GUARD_MESSAGE not in str(exc):
                     raise translate(exc, self._db_path) from exc
-                if not await asyncio.to_thread(self._refresh):
+                await asyncio.to_thread(self._refresh)
+                if self._kid == sealed_with:
                     raise translate(exc, self._db_path) from exc
             except sqlite3.OperationalError as exc:
                 if "locked" in str(exc) and time.monotonic() < deadline:
@@ -108,17 +215,43 @@ class VaultSession(EncryptedSession):
                 raise translate(exc, self._db_path) from exc
 
     async def pop_item(self, *, wrapper: Any = None) -> Any:
-        while True:
-            try:
-                return await super().pop_item(wrapper=wrapper)
-            except InvalidToken:
-                # Nothing was removed (the SDK authenticates inside the transaction).
-                if not await asyncio.to_thread(self._refresh):
-                    raise
+        underlying: VaultSQLiteSession = self.underlying_session  # type: ignore[assignment]
+        underlying.deleted = False
+        try:
+            while True:
+                try:
+                    return await super().pop_item(wrapper=wrapper)
+                except InvalidToken:
+                    # Nothing was removed (the SDK authenticates inside the transaction).
+                    if not await asyncio.to_thread(self._refresh):
+                        raise
+                except sqlite3.Error as exc:
+                    raise translate(exc, self._db_path) from exc
+        finally:
+            if underlying.deleted:
+                # Like `memvault pop`: the popped ciphertext must not stay readable in
+                # the WAL or free pages under the current key.
+                await asyncio.to_thread(self._vault.scrub_after_delete)
 
     async def clear_session(self, *, wrapper: Any = None) -> None:
-        await super().clear_session(wrapper=wrapper)
-        await asyncio.to_thread(self._vault.scrub)
+        """Empty the session as `Vault.clear` does: refuses (ItemsUnreadable, nothing
+        deleted) if an item fails authentication; audited and scrubbed."""
+        try:
+            await asyncio.to_thread(self._vault.clear, self.session_id)
+        except UnknownSession:
+            return  # nothing stored under this id: already empty, as the SDK treats it
+
+    async def _get_compaction_snapshot(self, limit: int) -> Any:
+        # The SDK computes `now - ttl`, which fails for a vault that never expires: for the
+        # length of the read, "never" is a TTL no timestamp can outlive.
+        if self.ttl is not None:
+            return await super()._get_compaction_snapshot(limit)
+        self.ttl = NEVER
+        try:
+            return await super()._get_compaction_snapshot(limit)
+        finally:
+            if self.ttl == NEVER:  # unless a TTL change arrived meanwhile
+                self.ttl = None
 
     def close(self) -> None:
         self.underlying_session.close()  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from . import crypto, files, paths
 from .errors import (
+    ItemsUnreadable,
     KeyMismatch,
     KeyProblem,
     KeyRevoked,
@@ -336,6 +337,7 @@ class Vault:
         self._keystore = keystore
         self._sealer: crypto.Sealer | None = None
         self.scrub_incomplete = False
+        self.cleared_unreadable = 0
 
     # -- construction ---------------------------------------------------
     @classmethod
@@ -456,6 +458,8 @@ class Vault:
     # -- plumbing -------------------------------------------------------
     @contextlib.contextmanager
     def _connect(self, timeout: float | None = None) -> Iterator[sqlite3.Connection]:
+        if not self.path.exists():
+            _read_header(self.path)  # shredded or moved since this object opened it
         with sqlite_errors(self.path):
             conn = connect(self.path, timeout)
         try:
@@ -483,8 +487,7 @@ class Vault:
 
     @property
     def ttl(self) -> int | None:
-        raw = self.meta().get("ttl_seconds", "never")
-        return None if raw == "never" else int(raw)
+        return parse_ttl(self.meta(), self.path)
 
     # -- the key --------------------------------------------------------
     def sealer(self, refresh: bool = False) -> crypto.Sealer:
@@ -590,30 +593,55 @@ class Vault:
         with self._connect() as conn:
             return int(conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0])
 
+    def _snapshot(
+        self, read: Callable[[sqlite3.Connection, crypto.Sealer, int | None], T]
+    ) -> T:
+        """Run `read` in one read transaction that also saw the file's kid and TTL.
+
+        A key fetched before the rows are read may be retired by a rotation committed
+        in between, and healthy rows would then look unreadable: the kid is read in
+        the rows' own snapshot, and on a mismatch the key is reloaded and the read
+        starts again.
+        """
+        sealer = self.sealer()
+        for _attempt in range(50):
+            with self._connect() as conn:
+                conn.execute("BEGIN")  # deferred: the first SELECT fixes the snapshot
+                meta = _read_meta(conn, self.path)
+                if meta["kid"] == sealer.kid:
+                    result = read(conn, sealer, parse_ttl(meta, self.path))
+                    conn.execute("COMMIT")
+                    return result
+                conn.execute("COMMIT")
+            sealer = self.sealer(refresh=True)  # KeyRevoked if it was revoked meanwhile
+        raise VaultBusy(
+            f"{self.path} kept changing key while being read (rotations in a loop?); try again"
+        )
+
     def sessions(self, now: int | None = None) -> list[SessionInfo]:
         """One row per session with readable, expired and unreadable counts."""
-        sealer = self.sealer()
-        ttl = self.ttl
-        with self._connect() as conn:
-            conn.execute("BEGIN")  # one snapshot for the whole listing
-            infos: dict[str, SessionInfo] = {}
-            for sid, updated in conn.execute(
-                f"SELECT session_id, updated_at FROM {SESSIONS_TABLE} ORDER BY session_id"
-            ):
-                infos[sid] = SessionInfo(sid, 0, updated_at=updated)
-            for sid, data in conn.execute(
-                f"SELECT session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
-            ):
-                info = infos.setdefault(sid, SessionInfo(sid, 0))
-                info.items += 1
-                state = sealer.state(sid, data, ttl, now)  # authenticate, no decryption
-                if state is crypto.ItemState.READABLE:
-                    info.readable += 1
-                elif state is crypto.ItemState.EXPIRED:
-                    info.expired += 1
-                else:
-                    info.unreadable += 1
-            conn.execute("COMMIT")
+        return self._snapshot(lambda conn, sealer, ttl: self._count(conn, sealer, ttl, now))
+
+    def _count(
+        self, conn: sqlite3.Connection, sealer: crypto.Sealer, ttl: int | None, now: int | None
+    ) -> list[SessionInfo]:
+        infos: dict[str, SessionInfo] = {}
+        for sid, updated in conn.execute(
+            f"SELECT session_id, updated_at FROM {SESSIONS_TABLE} ORDER BY session_id"
+        ):
+            infos[sid] = SessionInfo(sid, 0, updated_at=updated)
+        for sid, data in conn.execute(
+            f"SELECT session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
+        ):
+            info = infos.setdefault(sid, SessionInfo(sid, 0))
+            info.items += 1
+            state = sealer.state(sid, data, ttl, now)  # authenticate, no decryption
+            if state is crypto.ItemState.READABLE:
+                info.readable += 1
+            elif state is crypto.ItemState.EXPIRED:
+                info.expired += 1
+            else:
+                info.unreadable += 1
         return sorted(infos.values(), key=lambda i: i.session_id)
 
     def _require_session(self, conn: sqlite3.Connection, session_id: str) -> None:
@@ -636,16 +664,19 @@ class Vault:
         """
         if limit is not None and limit <= 0:
             raise OperationFailed("limit must be a positive number of items")
-        sealer = self.sealer()
-        ttl = self.ttl
-        with self._connect() as conn:
+
+        def read(
+            conn: sqlite3.Connection, sealer: crypto.Sealer, ttl: int | None
+        ) -> tuple[crypto.Sealer, int | None, list[str]]:
             self._require_session(conn, session_id)
             sql = f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id DESC"
             args: tuple[Any, ...] = (session_id,)
             if limit is not None:
                 sql += " LIMIT ?"
                 args += (limit,)
-            rows = [r[0] for r in conn.execute(sql, args)][::-1]
+            return sealer, ttl, [r[0] for r in conn.execute(sql, args)][::-1]
+
+        sealer, ttl, rows = self._snapshot(read)
         out: list[Any] = []
         expired = unreadable = 0
         for data in rows:
@@ -702,6 +733,9 @@ class Vault:
         if out["key"] != "present and matching":
             return out
         infos = self.sessions(now)
+        # The counts of one snapshot (the ones above may predate a concurrent write).
+        out["sessions"] = len(infos)
+        out["items"] = sum(i.items for i in infos)
         out["readable"] = sum(i.readable for i in infos)
         out["expired"] = sum(i.expired for i in infos)
         out["unreadable"] = sum(i.unreadable for i in infos)
@@ -716,6 +750,7 @@ class Vault:
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
             self._check_kid(conn, sealer)
+            sealer = self._sealer or sealer  # reloaded if another process rotated
             self._require_session(conn, session_id)
             rows = conn.execute(
                 f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = ? "
@@ -737,22 +772,56 @@ class Vault:
         self.scrub_incomplete = not self.scrub()
         return popped
 
-    def clear(self, session_id: str) -> int:
-        """Empty one session (rows zeroed by secure_delete, WAL checkpointed)."""
+    def clear(self, session_id: str, include_unreadable: bool = False) -> int:
+        """Empty one session (rows zeroed by secure_delete, WAL checkpointed).
+
+        Items that do not authenticate (tampered, corrupt, under another key) are
+        evidence, not history: the session is left whole, with ItemsUnreadable, unless
+        `include_unreadable`. `cleared_unreadable` tells how many of those went.
+        """
         sealer = self.sealer()
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
             self._check_kid(conn, sealer)
+            sealer = self._sealer or sealer
             self._require_session(conn, session_id)
+            unreadable = sum(
+                sealer.state(session_id, data, None) is crypto.ItemState.UNREADABLE
+                for (data,) in conn.execute(
+                    f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ?",
+                    (session_id,),
+                )
+            )
+            if unreadable and not include_unreadable:
+                raise ItemsUnreadable(
+                    f"{unreadable} item(s) of session {session_id!r} do not authenticate "
+                    "(tampered, corrupt or under another key); nothing was deleted; to delete "
+                    f"them too, on purpose: memvault clear {session_id} --include-unreadable",
+                    unreadable,
+                )
             n = conn.execute(
                 f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = ?", (session_id,)
             ).rowcount
             conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = ?", (session_id,))
             _set_meta(conn, scrub_pending="1")
-            _audit(conn, "clear", sealer.kid, items=n)
+            _audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
             conn.execute("COMMIT")
+        self.cleared_unreadable = unreadable
         self.scrub_incomplete = not self.scrub()
         return n
+
+    def scrub_after_delete(self) -> bool:
+        """Scrub after rows were deleted elsewhere (the agent session's pop).
+
+        Marked pending first, so that a scrub kept from finishing by a reader is
+        finished by the next open.
+        """
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            _set_meta(conn, scrub_pending="1")
+            conn.execute("COMMIT")
+        self.scrub_incomplete = not self.scrub()
+        return not self.scrub_incomplete
 
     def set_ttl(self, ttl: int | None) -> None:
         sealer = self.sealer()
@@ -767,11 +836,13 @@ class Vault:
     def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
         """Delete items that authenticate under the key and are past the TTL."""
         sealer = self.sealer()
-        ttl = self.ttl
         deleted = kept = unreadable = 0
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
             self._check_kid(conn, sealer)
+            sealer = self._sealer or sealer  # reloaded if another process rotated
+            meta = _read_meta(conn, self.path)
+            ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
             doomed = []
             for row_id, sid, data in conn.execute(
                 f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
@@ -1048,6 +1119,23 @@ def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
         if required not in meta:
             raise NotAVault(f"{path} lacks the vault's {required}; it is not a usable vault")
     return meta
+
+
+def parse_ttl(meta: dict[str, str], path: Path) -> int | None:
+    """The vault's TTL in seconds (None: never), or VaultCorrupt for a value no command wrote."""
+    raw = meta.get("ttl_seconds", "never")
+    if raw == "never":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise VaultCorrupt(
+            f"{path} has an invalid TTL {raw[:40]!r} in memvault_meta; nothing was read; "
+            "set it again with `memvault ttl 30d` (or `never`)"
+        )
+    return value
 
 
 def _set_meta(conn: sqlite3.Connection, **values: str) -> None:
