@@ -217,8 +217,10 @@ class VaultGroup(click.Group):
                 hint = f"; see `{exc.ctx.command_path} --help`"
             fail(f"{_one_line(exc.format_message()).rstrip('.')}{hint}", exc.exit_code, True)
         except click.exceptions.Abort as exc:
-            if isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C at a prompt
-                fail("interrupted at the prompt; nothing was changed", EXIT_INTERRUPTED)
+            # Click's own main turns a KeyboardInterrupt anywhere into Abort: a Ctrl-C,
+            # not a refusal. (Prompts and rotate raise Interrupted with a precise line.)
+            if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+                fail("interrupted; the last committed state is intact", EXIT_INTERRUPTED)
             fail("aborted; nothing was changed (pass --yes to skip the question)", EXIT_FAILED)
         except click.exceptions.ClickException as exc:
             fail(_one_line(exc.format_message()), exc.exit_code)
