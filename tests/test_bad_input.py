@@ -236,3 +236,26 @@ def test_kdf_bounds_admit_our_own_kits() -> None:
     kit.check_kdf_cost(2**17, 8, 4, Path("k"))  # four times ours: still "a few seconds"
     with pytest.raises(kit.OperationFailed):
         kit.check_kdf_cost(2**19, 8, 1, Path("k"))
+
+
+# --------------------------------------------------------------------------
+# A FIFO where a file is expected: refused at once, never a process blocked for ever
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (("--db", "{fifo}", "status"), 3, "is a FIFO (named pipe), not a vault file"),
+        (("--db", "{fifo}", "init"), 3, "is a FIFO (named pipe), not a vault file"),
+        (("key", "import", "{fifo}"), 2, "is a FIFO (named pipe); give the path of the recovery"),
+        (("import", "{fifo}"), 2, "is a FIFO (named pipe); give the path of a SQLiteSession"),
+    ],
+)
+def test_a_fifo_is_refused_without_blocking(vault: Any, tmp_path: Path, args: tuple[str, ...],
+                                            code: int, needle: str) -> None:
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = run_cli(*(a.format(fifo=fifo) for a in args), timeout=60)
+    one_line(r, code, needle)
+    assert vault.session_ids() == []
