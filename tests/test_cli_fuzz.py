@@ -129,12 +129,23 @@ def command_lines(w: World) -> st.SearchStrategy[list[str]]:
     return st.tuples(globals_, commands, globals_).map(lambda t: [*t[0], *t[1], *t[2]])
 
 
+def _settable(value: str | None) -> bool:
+    """What an environment can hold: no NUL, surrogates only as escaped bytes."""
+    if value is None:
+        return True
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
 def environments(w: World) -> st.SearchStrategy[dict[str, str | None]]:
     return st.fixed_dictionaries(
         {},
         optional={
             "MEMVAULT_DB": st.one_of(_world_paths(w), st.none()),
-            "MEMVAULT_LOCK_TIMEOUT": st.one_of(NUMBERS, st.none()),
+            "MEMVAULT_LOCK_TIMEOUT": st.one_of(NUMBERS, st.none()).filter(_settable),
         },
     )
 
