@@ -39,6 +39,7 @@ class State:
     def __init__(self) -> None:
         self.db: str | None = None
         self.json = False
+        self.emitted = False  # a result document is on stdout already
 
 
 # SQLite binds integers as 64-bit: a larger count is a usage error, not an OverflowError.
@@ -123,6 +124,7 @@ def emit(data: Any, human: Callable[[], None]) -> None:
     """JSON on stdout with --json, else the human rendering."""
     if state().json:
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        state().emitted = True
     else:
         human()
 
@@ -203,7 +205,10 @@ class VaultGroup(click.Group):
         raw_json = "--json" in raw[: raw.index("--")] if "--" in raw else "--json" in raw
 
         def fail(message: str, code: int, usage: bool = False) -> None:
+            # One document on stdout: a failure after the result (exit 5, scrub pending;
+            # show's unreadable items) keeps the result as the document.
             as_json = bool(getattr(st, "json", False)) or (usage and raw_json)
+            as_json = as_json and not getattr(st, "emitted", False)
             _fail(message, code, as_json)
 
         try:
