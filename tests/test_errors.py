@@ -98,7 +98,7 @@ def test_tampered_token(vault: Any, vault_db: Path) -> None:
     conn.close()
     before = snapshot(vault_db)
     r = run_cli("show", "s")
-    one_line(r, 1, "1 item(s)", "failed authentication")
+    one_line(r, 1, "1 item of session", "failed authentication")
     assert r.out.strip() == "[1] user: two"
     assert snapshot(vault_db) == before
 

@@ -142,7 +142,7 @@ def test_human_output_and_new_session_keeps_working(vault: Any, vault_db: Path,
     make_plain(src, {"carnet-local": CARNET["carnet-local"]})
     r = run_cli("import", str(src))
     assert r.code == 0, r
-    assert "imported 6 item(s) in 1 session(s)" in r.out
+    assert "imported 6 items in 1 session" in r.out
     assert "verified" in r.out
     # An agent keeps writing to the imported session through the vault.
     add_items(vault_db, "carnet-local", [user("after the import")])

@@ -377,7 +377,7 @@ def test_cli_rotate_shows_a_progress_bar_on_a_terminal(vault: Vault, vault_db: P
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, shown
     assert b"rotating" in shown and b"100%" in shown, shown
-    assert out.startswith(b"rotated 13 item(s)")
+    assert out.startswith(b"rotated 13 items")
     # Not on a terminal: no bar (the JSON test checks stdout stays clean as well).
     quiet = run_cli("rotate")
     assert quiet.code == 0 and quiet.err == "", quiet
@@ -625,7 +625,7 @@ def test_revoke_without_yes_and_without_tty_aborts(vault: Vault, vault_db: Path)
     # The unanswered question, then exactly one error line of its own.
     lines = r.err.strip().splitlines()
     assert len(lines) == 2 and "Traceback" not in r.err, r
-    assert lines[0].startswith("Destroy the key?"), r
+    assert lines[0].startswith("Destroy the key of the vault "), r
     assert lines[1].startswith("memvault: error: aborted"), r
     assert raw_bytes(vault_db) == before
     assert "revoked_at" not in db_meta(vault_db)

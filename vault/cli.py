@@ -7,6 +7,7 @@ and its exit code. The Agents SDK is imported only by `demo` and `chat`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -17,19 +18,69 @@ from typing import Any, TypeVar
 import click
 
 from . import __version__, crypto
-from .errors import EXIT_FAILED, OperationFailed, VaultBusy, VaultError
-from .store import DEFAULT_TTL, Progress, Vault, shred
+from .errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    Interrupted,
+    OperationFailed,
+    VaultBusy,
+    VaultError,
+)
+from .store import DEFAULT_TTL, Progress, Vault, lock_timeout, shred
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 # ----------------------------------------------------------------------------
-# Shared options: --db and --json work before or after the command name.
+# Shared options: --db, --json, --version and --help work before or after the
+# command name.
 # ----------------------------------------------------------------------------
 class State:
     def __init__(self) -> None:
         self.db: str | None = None
         self.json = False
+        self.emitted = False  # a result document is on stdout already
+
+
+# SQLite binds integers as 64-bit: a larger count is a usage error, not an OverflowError.
+MAX_COUNT = 2**63 - 1
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """`1 item`, `2 items`: every count in a human message goes through here."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def iso_utc(stamp: str | None) -> str | None:
+    """SQLite's CURRENT_TIMESTAMP ("YYYY-MM-DD HH:MM:SS", UTC) in the format used
+    everywhere else (store.utcnow: "YYYY-MM-DDTHH:MM:SSZ")."""
+    if not stamp or "T" in stamp:
+        return stamp
+    return stamp.replace(" ", "T", 1) + ("" if stamp.endswith("Z") else "Z")
+
+
+class SessionId(click.ParamType):  # type: ignore[type-arg]
+    """A session id: text. Bytes that are not UTF-8 (`$'\\xff'`) reach Python as lone
+    surrogates, which SQLite cannot store: refused as a usage error."""
+
+    name = "session"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                self.fail(
+                    "the session id is not valid UTF-8 text (a stray byte from the shell?); "
+                    "give it as text",
+                    param,
+                    ctx,
+                )
+        return value
+
+
+SESSION = SessionId()
 
 
 def _remember_db(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
@@ -43,6 +94,7 @@ def _remember_json(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 
 
 def common(fn: F) -> F:
+    fn = click.version_option(__version__, "--version", prog_name="memvault")(fn)
     fn = click.option(
         "--json",
         "as_json",
@@ -73,19 +125,25 @@ def emit(data: Any, human: Callable[[], None]) -> None:
     """JSON on stdout with --json, else the human rendering."""
     if state().json:
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        state().emitted = True
     else:
         human()
 
 
 def confirm(question: str, yes: bool) -> None:
+    """Ask before a destructive step. "n" is exit 1; Ctrl-C is exit 130 (Interrupted)."""
     if yes:
         return
     try:
-        click.confirm(question, abort=True, err=True)
-    except click.exceptions.Abort:
+        answer = click.confirm(question, err=True)
+    except click.exceptions.Abort as exc:
         if not sys.stdin.isatty():
             click.echo(err=True)  # piped answers are not echoed: end the question's line
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise Interrupted("interrupted at the question; nothing was changed") from None
         raise
+    if not answer:
+        raise click.exceptions.Abort()
 
 
 @contextmanager
@@ -141,28 +199,48 @@ class VaultGroup(click.Group):
         **extra: Any,
     ) -> Any:
         standalone = standalone_mode
+        st = extra.setdefault("obj", State())
+        raw = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        # Before the command line is parsed (or when parsing fails) --json is not known
+        # yet: look for it among the options, as the parser would.
+        raw_json = "--json" in raw[: raw.index("--")] if "--" in raw else "--json" in raw
+
+        def fail(message: str, code: int, usage: bool = False) -> None:
+            # One document on stdout: a failure after the result (exit 5, scrub pending;
+            # show's unreadable items) keeps the result as the document.
+            as_json = bool(getattr(st, "json", False)) or (usage and raw_json)
+            as_json = as_json and not getattr(st, "emitted", False)
+            _fail(message, code, as_json)
+
         try:
             rv = super().main(args, prog_name, complete_var, False, **extra)
+        except NO_ARGS_IS_HELP as exc:  # `memvault` or `memvault key` alone: the help
+            click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            rv = EXIT_OK
         except click.exceptions.UsageError as exc:
             hint = ""
             if exc.ctx is not None:
                 hint = f"; see `{exc.ctx.command_path} --help`"
-            _fail(f"{_one_line(exc.format_message()).rstrip('.')}{hint}", exc.exit_code)
-        except click.exceptions.Abort:
-            _fail("aborted; nothing was changed (pass --yes to skip the question)", EXIT_FAILED)
+            fail(f"{_one_line(exc.format_message()).rstrip('.')}{hint}", exc.exit_code, True)
+        except click.exceptions.Abort as exc:
+            # Click's own main turns a KeyboardInterrupt anywhere into Abort: a Ctrl-C,
+            # not a refusal. (Prompts and rotate raise Interrupted with a precise line.)
+            if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+                fail("interrupted; the last committed state is intact", EXIT_INTERRUPTED)
+            fail("aborted; nothing was changed (pass --yes to skip the question)", EXIT_FAILED)
         except click.exceptions.ClickException as exc:
-            _fail(_one_line(exc.format_message()), exc.exit_code)
+            fail(_one_line(exc.format_message()), exc.exit_code)
         except VaultError as exc:
-            _fail(_one_line(exc.message), exc.exit_code)
+            fail(_one_line(exc.message), exc.exit_code)
         except KeyboardInterrupt:
-            _fail("interrupted; the last committed state is intact", 130)
+            fail("interrupted; the last committed state is intact", EXIT_INTERRUPTED)
         except BrokenPipeError:
             sys.stderr.close()
             sys.exit(EXIT_FAILED)
         except Exception as exc:  # a bug: still one line, never a traceback or a secret
             if os.environ.get("MEMVAULT_DEBUG"):
                 raise
-            _fail(
+            fail(
                 f"unexpected error ({type(exc).__name__}); nothing further was changed; "
                 "rerun with MEMVAULT_DEBUG=1 and report it",
                 EXIT_FAILED,
@@ -177,13 +255,23 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, as_json: bool = False) -> None:
+    if as_json:  # scripts reading stdout get the failure too
+        with contextlib.suppress(OSError):
+            click.echo(json.dumps({"error": message, "exit_code": code}))
     click.echo(f"memvault: error: {message}", err=True)
     sys.exit(code)
 
 
+# Click 8.2+ raises this for a group called without a command; 8.1 printed the help.
+NO_ARGS_IS_HELP: type[click.exceptions.UsageError] = getattr(
+    click.exceptions, "NoArgsIsHelpError", click.exceptions.UsageError
+)
+if NO_ARGS_IS_HELP is click.exceptions.UsageError:  # pragma: no cover (Click 8.1)
+    NO_ARGS_IS_HELP = type("_NeverRaised", (click.exceptions.UsageError,), {})
+
+
 @click.group(cls=VaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="memvault")
 @common
 def cli() -> None:
     """Encrypted-at-rest history for OpenAI Agents SDK sessions.
@@ -197,6 +285,9 @@ def cli() -> None:
       python -c 'import vault; s = vault.open_session("chat-1")'
       memvault status
     """
+    # Checked before any command, so a bad value is a usage error even where no
+    # command would have waited for a lock.
+    lock_timeout()
 
 
 def main() -> None:
@@ -265,7 +356,7 @@ def status() -> None:
         click.echo(f"key        {key}")
         click.echo(f"key id     {st['kid']}")
         click.echo(f"ttl        {st['ttl']}")
-        counts = f"{st['items']} items in {st['sessions']} sessions"
+        counts = f"{plural(st['items'], 'item')} in {plural(st['sessions'], 'session')}"
         if "readable" in st:
             counts += (
                 f" ({st['readable']} readable, {st['expired']} expired, "
@@ -291,6 +382,8 @@ def sessions() -> None:
       memvault sessions
     """
     rows = [s.as_dict() for s in open_vault().sessions()]
+    for r in rows:
+        r["updated_at"] = iso_utc(r.get("updated_at"))
 
     def human() -> None:
         if not rows:
@@ -321,8 +414,11 @@ def _item_text(item: Any) -> str:
 
 
 @cli.command()
-@click.argument("session_id", metavar="SESSION")
-@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Only the newest N items.")
+@click.argument("session_id", metavar="SESSION", type=SESSION)
+@click.option(
+    "--limit", type=click.IntRange(min=1, max=MAX_COUNT), metavar="N",
+    help="Only the newest N items.",
+)
 @common
 def show(session_id: str, limit: int | None) -> None:
     """Print the decrypted items of SESSION, oldest first.
@@ -331,26 +427,34 @@ def show(session_id: str, limit: int | None) -> None:
     Example:
       memvault show carnet-local --limit 10
     """
-    items, expired, unreadable = open_vault().items(session_id, limit)
+    vault = open_vault()
+    items, expired, unreadable = vault.items(session_id, limit)
+
     def human() -> None:
         for i, it in enumerate(items, 1):
             click.echo(f"[{i}] {_item_text(it)}")
+        if expired:  # otherwise a session of expired items would print nothing at all
+            click.echo(
+                f"{plural(expired, 'expired item')} hidden by the TTL "
+                f"({crypto.format_duration(vault.ttl)}); `memvault purge` deletes them"
+            )
 
     data = {"session_id": session_id, "items": items, "expired": expired, "unreadable": unreadable}
     emit(data, human)
     if unreadable:
         raise VaultError(
-            f"{unreadable} item(s) of session {session_id!r} failed authentication (tampered, "
-            "corrupt or sealed with another key) and were not shown; nothing was changed"
+            f"{plural(unreadable, 'item')} of session {session_id!r} failed authentication "
+            "(tampered, corrupt or sealed with another key) and "
+            f"{'was' if unreadable == 1 else 'were'} not shown; nothing was changed"
         )
 
 
 @cli.command()
-@click.argument("session_id", metavar="SESSION")
+@click.argument("session_id", metavar="SESSION", type=SESSION)
 @click.option(
     "-n",
     "count",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_COUNT),
     default=1,
     show_default=True,
     help="How many of the newest items to remove.",
@@ -367,13 +471,13 @@ def pop(session_id: str, count: int) -> None:
     popped = vault.pop(session_id, count)
     emit(
         {"session_id": session_id, "popped": popped},
-        lambda: click.echo(f"removed {len(popped)} item(s) from {session_id}"),
+        lambda: click.echo(f"removed {plural(len(popped), 'item')} from {session_id}"),
     )
     check_scrub(vault)
 
 
 @cli.command()
-@click.argument("session_id", metavar="SESSION")
+@click.argument("session_id", metavar="SESSION", type=SESSION)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
     "--include-unreadable",
@@ -446,15 +550,23 @@ def purge(yes: bool) -> None:
     """
     vault = open_vault()
     vault.sealer()
-    confirm("Delete every expired item for good?", yes)
+    if not yes:
+        expired = sum(s.expired for s in vault.sessions())
+        if expired:  # with nothing to delete there is nothing to ask
+            confirm(
+                f"Delete the {plural(expired, 'expired item')} of the vault {vault.path} "
+                "for good?",
+                yes,
+            )
     with progress(_count(vault), "purging") as bar:
         report = vault.purge(progress=bar)
     emit(
         {**report.counts, "scrubbed": report.scrubbed},
         lambda: click.echo(
-            f"purged {report.counts['deleted']} expired item(s); kept {report.counts['kept']}"
+            f"purged {plural(report.counts['deleted'], 'expired item')}; kept "
+            f"{plural(report.counts['kept'], 'item')}"
             + (
-                f"; {report.counts['unreadable']} unreadable left untouched"
+                f"; {plural(report.counts['unreadable'], 'unreadable item')} left untouched"
                 if report.counts["unreadable"]
                 else ""
             )
@@ -486,7 +598,8 @@ def rotate() -> None:
     emit(
         c,
         lambda: click.echo(
-            f"rotated {c['items']} item(s) in {c['sessions']} session(s) in {c['seconds']}s\n"
+            f"rotated {plural(c['items'], 'item')} in {plural(c['sessions'], 'session')} "
+            f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
             "  older recovery kits no longer match: run `memvault key export` again"
@@ -507,15 +620,26 @@ def revoke(yes: bool) -> None:
       memvault revoke --yes && memvault shred --yes
     """
     vault = open_vault()
-    confirm("Destroy the key? The history in this vault can never be read again", yes)
+    confirm(
+        f"Destroy the key of the vault {vault.path}? Its history can never be read again",
+        yes,
+    )
     r = vault.revoke()
-    emit(
-        r,
-        lambda: click.echo(
+
+    def human() -> None:
+        if r["already_revoked"]:
+            finished = "; removed the key a cut-off revoke had left" if r["key_destroyed"] else ""
+            click.echo(
+                f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
+                "`memvault shred` removes the file"
+            )
+            return
+        click.echo(
             f"revoked key {r['kid']} of vault {r['vault_id']}; the file stays, unreadable; "
             "`memvault shred` removes it; recovery kits are useless now"
-        ),
-    )
+        )
+
+    emit(r, human)
 
 
 @cli.command("shred")
@@ -603,6 +727,10 @@ def log() -> None:
       memvault log --json
     """
     rows = open_vault().audit_log()
+    for r in rows:
+        if r["event"] == "ttl":  # stored as seconds; shown as everywhere else (30d, never)
+            for k in ("old", "new"):
+                r[k] = _ttl_text(r.get(k))
 
     def human() -> None:
         for r in rows:
@@ -612,6 +740,20 @@ def log() -> None:
     emit(rows, human)
 
 
+def _ttl_text(value: Any) -> Any:
+    if value is None or value == "never":
+        return value
+    try:
+        return crypto.format_duration(int(value))
+    except (TypeError, ValueError):
+        return value  # a value an older version wrote: shown as it is
+
+
+def refuse_option(option: str, command: str, why: str) -> None:
+    """A global option the command cannot honour: a usage error, not silence."""
+    raise click.UsageError(f"{option} does not apply to `{command}`: {why}")
+
+
 @cli.command()
 @click.option("--keep", is_flag=True, help="Keep the throwaway vault folder for inspection.")
 @common
@@ -619,12 +761,17 @@ def demo(keep: bool) -> None:
     """Run the guide's four checks in a throwaway vault, each step its own process.
 
     Uses the real model when OPENAI_API_KEY is set, else an offline stand-in
-    that can only answer from the history it is given.
+    that can only answer from the history it is given. --db and --json are
+    refused (exit 2): the demo makes its own vault and prints a narrative.
 
     \b
     Example:
       memvault demo
     """
+    if state().db is not None:
+        refuse_option("--db", "demo", "it always works in a throwaway vault of its own")
+    if state().json:
+        refuse_option("--json", "demo", "it prints a narrative, not a document")
     from .demo import run_demo
 
     ok = run_demo(keep=keep, echo=click.echo)
@@ -638,7 +785,8 @@ def demo(keep: bool) -> None:
 # ----------------------------------------------------------------------------
 @cli.command("import")
 @click.argument("plain_db", metavar="PLAIN_DB")
-@click.option("--session", "session_id", metavar="ID", help="Import only this session.")
+@click.option("--session", "session_id", metavar="ID", type=SESSION,
+              help="Import only this session.")
 @click.option(
     "--sessions-table",
     metavar="NAME",
@@ -692,7 +840,8 @@ def import_cmd(
         plan = importer.plan
         if shred_source:
             confirm(
-                f"Import {len(plan.sessions)} session(s) ({plan.total_items} item(s)), then "
+                f"Import {plural(len(plan.sessions), 'session')} "
+                f"({plural(plan.total_items, 'item')}) into the vault {vault.path}, then "
                 f"destroy {plan.source} and its side files?",
                 yes,
             )
@@ -701,16 +850,17 @@ def import_cmd(
 
     def human() -> None:
         click.echo(
-            f"imported {r['items']} item(s) in {len(r['sessions'])} session(s) from "
+            f"imported {plural(r['items'], 'item')} in "
+            f"{plural(len(r['sessions']), 'session')} from "
             f"{r['source']} (tables {r['tables']['sessions']}/{r['tables']['messages']}), "
             f"sealed with key {r['kid']}; counts and contents verified"
         )
         for s in r["sessions"]:
-            click.echo(f"  {s['session_id']:<30} {s['items']:>6} item(s)")
+            click.echo(f"  {s['session_id']:<30} {plural(s['items'], 'item'):>11}")
         shredded = r["source_shredded"]
         if shredded:
             click.echo(
-                f"destroyed the source: {shredded['rows']} row(s) deleted, then "
+                f"destroyed the source: {plural(shredded['rows'], 'row')} deleted, then "
                 + ", ".join(f"{f['name']} ({f['size']} bytes)" for f in shredded["files"])
                 + " overwritten and removed"
             )
@@ -719,6 +869,7 @@ def import_cmd(
 
 
 @cli.group("key")
+@common
 def key_group() -> None:
     """The recovery kit: the master key wrapped under a passphrase, in a file.
 
@@ -735,14 +886,21 @@ def key_group() -> None:
 def _read_passphrase(twice: bool) -> str:
     """Asked (hidden, twice for a new kit) on a terminal; else one line of stdin."""
     if sys.stdin.isatty():
-        return str(
-            click.prompt(
-                "Recovery kit passphrase",
-                hide_input=True,
-                confirmation_prompt="Repeat the passphrase" if twice else False,
-                err=True,
+        try:
+            return str(
+                click.prompt(
+                    "Recovery kit passphrase",
+                    hide_input=True,
+                    confirmation_prompt="Repeat the passphrase" if twice else False,
+                    err=True,
+                )
             )
-        )
+        except click.exceptions.Abort as exc:
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                raise Interrupted(
+                    "interrupted at the passphrase prompt; nothing was changed"
+                ) from None
+            raise
     return sys.stdin.readline().rstrip("\r\n")
 
 
@@ -816,8 +974,8 @@ def key_import(file: str, yes: bool) -> None:
 
     def ask_replace(old_kid: str) -> None:
         confirm(
-            f"The keyring holds key {old_kid} for this vault id, which does not open this "
-            "file; it may be the key of another copy of the vault (a newer one, rotated "
+            f"The keyring holds key {old_kid} for this vault id, which does not open "
+            f"{vault.path}; it may be the key of another copy of the vault (a newer one, rotated "
             "since). Keep it aside and put the kit's key in its place?",
             yes,
         )
@@ -843,7 +1001,7 @@ def key_import(file: str, yes: bool) -> None:
 
 
 @cli.command()
-@click.argument("session_id", metavar="SESSION")
+@click.argument("session_id", metavar="SESSION", type=SESSION)
 @click.option("--model", "model", metavar="M", help="Model name (default: the SDK's default).")
 @common
 def chat(session_id: str, model: str | None) -> int:
@@ -853,12 +1011,15 @@ def chat(session_id: str, model: str | None) -> int:
     /undo removes the last turn (the replies and your message), /clear empties
     the session, /exit (or Ctrl-D) leaves. Needs OPENAI_API_KEY (exit 4
     without it). SDK tracing is off: the conversation goes only to the model.
+    --json is refused (exit 2): a conversation is not a document.
 
     \b
     Example:
       export OPENAI_API_KEY=sk-...
       memvault chat carnet-local --model gpt-4.1-mini
     """
+    if state().json:
+        refuse_option("--json", "chat", "a conversation is not one document")
     from .chat import run_chat
 
     return run_chat(state().db, session_id, model)

@@ -13,6 +13,7 @@ EXIT_USAGE = 2
 EXIT_NO_VAULT = 3
 EXIT_KEY = 4
 EXIT_BUSY = 5
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 
 class VaultError(Exception):
@@ -91,3 +92,9 @@ class VaultBusy(VaultError):
     """Another process holds the lock past the timeout (exit 5)."""
 
     exit_code = EXIT_BUSY
+
+
+class Interrupted(VaultError):
+    """Ctrl-C (SIGINT); the message says what was committed before it (exit 130)."""
+
+    exit_code = EXIT_INTERRUPTED

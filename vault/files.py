@@ -36,12 +36,27 @@ def kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "folder"
     if stat.S_ISFIFO(mode):
-        return "FIFO"
+        return "FIFO (named pipe)"
     if stat.S_ISSOCK(mode):
         return "socket"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "device"
     return "special file"
+
+
+def special(path: str | os.PathLike[str]) -> str | None:
+    """'FIFO (named pipe)', 'socket' or 'device' for such a path (followed), else None.
+
+    Regular files, folders and missing paths are None: each caller has its own word
+    for those. Only `stat`: opening a FIFO to look at it would block for ever.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return kind(mode)
 
 
 def fsync_dir(folder: Path) -> None:

@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import sqlite3
-import stat
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +63,28 @@ _INTERNAL_TABLES = ("sqlite_sequence", "sqlite_stat1", "sqlite_stat2", "sqlite_s
 BATCH = 500
 # How long the exclusive lock on the source may be waited for (--shred-source).
 SOURCE_LOCK_WAIT = 2.0
+
+
+class _NotUTF8(ValueError):
+    """A TEXT value of the source that is not valid UTF-8 (raised by the text factory)."""
+
+
+def _strict_text(raw: bytes) -> str:
+    # SQLiteSession writes UTF-8 only; anything else was altered or written by another
+    # tool, and would fail later, half-way, as an encoding error.
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _NotUTF8() from None
+
+
+def _is_text(value: str) -> bool:
+    """False for a string holding a lone surrogate (not encodable as UTF-8)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _q(name: str) -> str:
@@ -154,17 +175,16 @@ class Importer:
     # -- inspection -----------------------------------------------------
     def _check_file(self) -> None:
         src = self.source
+        paths.require_text_path(src, "the source path")
         if not src.exists():
             raise BadInput(f"no file at {src}; give the path of a plaintext SQLiteSession file")
         if src.is_dir():
             raise BadInput(f"{src} is a folder; give the path of a SQLiteSession database file")
         if src == self.vault.path:
             raise OperationFailed(f"{src} is the vault itself; give a plaintext SQLiteSession file")
-        mode = os.stat(src).st_mode
-        if not stat.S_ISREG(mode):  # a FIFO would block the read below for ever
-            raise BadInput(
-                f"{src} is a {files.kind(mode)}; give the path of a SQLiteSession database file"
-            )
+        kind = files.special(src)
+        if kind:  # a FIFO would block the read below for ever
+            raise BadInput(f"{src} is a {kind}; give the path of a SQLiteSession database file")
         odd = files.odd_entries(paths.sidecars(src)[1:])
         if odd:
             p, what = odd[0]
@@ -193,6 +213,7 @@ class Importer:
                                    timeout=SOURCE_LOCK_WAIT, check_same_thread=False)
         except sqlite3.Error as exc:
             raise OperationFailed(f"cannot open {src} ({exc}); nothing was imported") from None
+        conn.text_factory = _strict_text
         try:
             if self.shred_source:
                 conn.execute("PRAGMA secure_delete = ON")
@@ -311,12 +332,24 @@ class Importer:
                 "nothing was imported"
             )
         s_tab, m_tab = self._find_pair(tables, sessions_table, messages_table)
-        counts = dict(self.conn.execute(
-            f"SELECT session_id, count(*) FROM {_q(m_tab)} GROUP BY session_id").fetchall())
+        try:
+            counts = dict(self.conn.execute(
+                f"SELECT session_id, count(*) FROM {_q(m_tab)} GROUP BY session_id").fetchall())
+            listed = self.conn.execute(
+                f"SELECT session_id, created_at, updated_at FROM {_q(s_tab)} ORDER BY session_id"
+            ).fetchall()
+        except _NotUTF8:
+            raise OperationFailed(
+                f"a session id (or timestamp) in {src} is not valid UTF-8 text, which "
+                "SQLiteSession never writes; repair or delete that session; nothing was imported"
+            ) from None
         sessions: dict[str, SourceSession] = {}
-        for sid, created, updated in self.conn.execute(
-            f"SELECT session_id, created_at, updated_at FROM {_q(s_tab)} ORDER BY session_id"
-        ):
+        for sid, created, updated in listed:
+            if isinstance(sid, str) and not _is_text(sid):
+                raise OperationFailed(
+                    f"a session id in {src} holds a lone surrogate, which is not valid "
+                    "Unicode text; repair or delete that session; nothing was imported"
+                )
             sessions[sid] = SourceSession(str(sid), int(counts.get(sid, 0)), created, updated)
         for sid, n in counts.items():  # rows whose session row is missing (no FK enforcement)
             sessions.setdefault(sid, SourceSession(str(sid), int(n)))
@@ -338,13 +371,21 @@ class Importer:
         return plan
 
     def _check_contents(self, plan: Plan) -> None:
-        """Every row to import is JSON and plaintext (not an EncryptedSession envelope)."""
+        """Every row to import is UTF-8 JSON and plaintext (not an EncryptedSession envelope)."""
         for s in plan.sessions:
-            for row_id, data in self.conn.execute(
-                f"SELECT id, message_data FROM {_q(plan.messages_table)} WHERE session_id = ? "
-                "ORDER BY id",
-                (s.session_id,),
-            ):
+            try:
+                found = self.conn.execute(
+                    f"SELECT id, message_data FROM {_q(plan.messages_table)} "
+                    "WHERE session_id = ? ORDER BY id",
+                    (s.session_id,),
+                ).fetchall()
+            except _NotUTF8:
+                raise OperationFailed(
+                    f"an item of session {s.session_id!r} in {plan.source} is not valid UTF-8 "
+                    "text, which SQLiteSession never writes; repair or delete that row; "
+                    "nothing was imported"
+                ) from None
+            for row_id, data in found:
                 item = self._decode(plan, s.session_id, row_id, data)
                 if isinstance(item, dict) and item.get("__enc__") == 1:
                     raise OperationFailed(
@@ -355,13 +396,22 @@ class Importer:
 
     def _decode(self, plan: Plan, session_id: str, row_id: int, data: Any) -> Any:
         try:
-            return json.loads(data)
+            item = json.loads(data)
         except (json.JSONDecodeError, TypeError):
             raise OperationFailed(
                 f"row {row_id} of session {session_id!r} in {plan.source} "
                 f"({plan.messages_table}) is not JSON, so it is not a SQLiteSession item; "
                 "repair or delete that row; nothing was imported"
             ) from None
+        # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but not text that can
+        # be sealed (UTF-8) or given back to the SDK.
+        if not _is_text(json.dumps(item, ensure_ascii=False)):
+            raise OperationFailed(
+                f"row {row_id} of session {session_id!r} in {plan.source} "
+                f"({plan.messages_table}) holds a lone surrogate, which is not valid Unicode "
+                "text; repair or delete that row; nothing was imported"
+            )
+        return item
 
     def _check_vault(self, plan: Plan) -> None:
         present = set(self.vault.session_ids())

@@ -65,6 +65,11 @@ NONCE_BYTES = 12
 _N_RANGE = (2**14, 2**20)
 _R_RANGE = (1, 32)
 _P_RANGE = (1, 16)
+# The cost a kit may ask of `key import`, checked before the KDF runs: a kit is a file
+# from anywhere, and n=2**20, r=32, p=16 (inside the ranges above) takes minutes and
+# gigabytes. Our own kits need 128 MiB and 2**20 units of work (about half a second).
+MAX_KDF_MEMORY = 256 * 1024 * 1024
+MAX_KDF_WORK = 2**22
 MAX_KIT_BYTES = 64 * 1024
 SHORT_PASSPHRASE = 12
 
@@ -164,6 +169,9 @@ def seal(master_key: str, vault_id: str, passphrase: str) -> Kit:
 def load(path: str | os.PathLike[str]) -> Kit:
     """Parse a kit file; OperationFailed (exit 1) when it is not a well-formed kit."""
     p = Path(path)
+    kind = files.special(p)
+    if kind:  # reading a FIFO would wait for a writer for ever
+        raise BadInput(f"{p} is a {kind}; give the path of the recovery kit file")
     try:
         with open(p, "rb") as fh:
             data = fh.read(MAX_KIT_BYTES + 1)
@@ -196,6 +204,7 @@ def load(path: str | os.PathLike[str]) -> Kit:
         and isinstance(par, int) and _P_RANGE[0] <= par <= _P_RANGE[1]
     ):
         raise _not_a_kit(p, "its scrypt parameters are out of range")
+    check_kdf_cost(n, r, par, p)
     for name in ("vault_id", "kid", "created_at"):
         if not isinstance(doc.get(name), str) or not doc[name]:
             raise _not_a_kit(p, f"its {name} is missing")
@@ -206,6 +215,24 @@ def load(path: str | os.PathLike[str]) -> Kit:
         raise _not_a_kit(p, "its salt or nonce has the wrong length")
     return Kit(doc["vault_id"], doc["kid"], doc["created_at"], n, r, par, salt, nonce,
                ciphertext)
+
+
+def kdf_cost(n: int, r: int, p: int) -> tuple[int, int]:
+    """scrypt's memory in bytes (the V array plus the p blocks) and its work (n * r * p)."""
+    return 128 * r * (n + p), n * r * p
+
+
+def check_kdf_cost(n: int, r: int, p: int, path: Path) -> None:
+    """Refuse, before deriving anything, a kit that asks for more than memvault ever uses."""
+    memory, work = kdf_cost(n, r, p)
+    if memory > MAX_KDF_MEMORY or work > MAX_KDF_WORK:
+        ours = SCRYPT_N * SCRYPT_R * SCRYPT_P
+        raise OperationFailed(
+            f"{path} asks scrypt for {memory // 2**20} MiB of memory and {work / ours:g} times "
+            f"the work of memvault's own kits (limits: {MAX_KDF_MEMORY // 2**20} MiB, "
+            f"{MAX_KDF_WORK // ours} times); memvault never writes such a kit, so it was "
+            "refused before deriving any key; nothing was changed"
+        )
 
 
 def write_private(path: str | os.PathLike[str], text: str, force: bool = False) -> Path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import files
+
 ENV_DB = "MEMVAULT_DB"
 APP_NAME = "memvault"
 DB_NAME = "history.db"
@@ -19,16 +21,53 @@ def default_db_path() -> Path:
 
 
 def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
-    """`--db PATH`, else `$MEMVAULT_DB`, else the platformdirs data folder."""
-    if db is not None and str(db) != "":
+    """`--db PATH`, else `$MEMVAULT_DB`, else the platformdirs data folder.
+
+    An explicit empty path (`--db "$UNSET"`) is refused rather than read as "the
+    default": falling back would point `shred` or `revoke` at another vault. An
+    empty `$MEMVAULT_DB` counts as unset, as shells treat empty variables.
+    """
+    if db is not None:
+        if str(db) == "":
+            from .errors import BadInput
+
+            raise BadInput(
+                "the vault path is empty (an unset shell variable?); give --db PATH, or "
+                "leave --db out to use $MEMVAULT_DB or the default vault; nothing was changed"
+            )
         chosen = Path(db)
     elif os.environ.get(ENV_DB):
         chosen = Path(os.environ[ENV_DB])
     else:
         chosen = default_db_path()
+    require_text_path(chosen, "the vault path")
     # Follow symbolic links as SQLite does, so that the -wal/-shm beside the real file
     # are the ones shred overwrites and the real file is the one it unlinks.
-    return Path(os.path.realpath(chosen.expanduser()))
+    resolved = Path(os.path.realpath(chosen.expanduser()))
+    kind = files.special(resolved)
+    if kind:  # SQLite would block for ever reading a FIFO's "header"
+        from .errors import NotAVault
+
+        raise NotAVault(f"{resolved} is a {kind}, not a vault file; give the path of the vault "
+                        "with --db or MEMVAULT_DB; nothing was changed")
+    return resolved
+
+
+def require_text_path(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse (exit 2) a path holding bytes that are not UTF-8.
+
+    Python hands such bytes over as lone surrogates; SQLite's URI and every message
+    that names the file need text, so they would fail half-way instead.
+    """
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        from .errors import BadInput
+
+        raise BadInput(
+            f"{what} \"{os.fsencode(path).decode('utf-8', 'backslashreplace')}\" is not "
+            "valid UTF-8; rename the file (or its folder) to a UTF-8 name; nothing was changed"
+        ) from None
 
 
 def sidecars(db: Path) -> list[Path]:

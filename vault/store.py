@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import re
 import secrets
@@ -26,6 +27,8 @@ from typing import Any, TypeVar
 
 from . import crypto, files, paths
 from .errors import (
+    BadInput,
+    Interrupted,
     ItemsUnreadable,
     KeyMismatch,
     KeyProblem,
@@ -49,6 +52,8 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 SHRED_MAGIC = b"memvault-shred\x00\x00"
 ENV_LOCK_TIMEOUT = "MEMVAULT_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 120.0
+# One day: SQLite takes the timeout in milliseconds as a C int; far larger values overflow.
+MAX_LOCK_TIMEOUT = 86400.0
 # Checkpoints wait this long for readers before the scrub reports itself incomplete.
 SCRUB_WAIT = 2.0
 
@@ -57,16 +62,24 @@ T = TypeVar("T")
 
 
 def lock_timeout() -> float:
-    """How long writers wait for the write lock (rotations can take a while)."""
+    """How long writers wait for the write lock (rotations can take a while).
+
+    A set but unusable `$MEMVAULT_LOCK_TIMEOUT` is refused (exit 2) instead of being
+    ignored: a typo must not turn a short timeout into the two-minute default.
+    """
     raw = os.environ.get(ENV_LOCK_TIMEOUT)
-    if raw:
-        try:
-            value = float(raw)
-            if value >= 0:
-                return value
-        except ValueError:
-            pass
-    return DEFAULT_LOCK_TIMEOUT
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value <= MAX_LOCK_TIMEOUT):  # also refuses nan and inf
+        raise BadInput(
+            f"{ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds between 0 and "
+            f"{MAX_LOCK_TIMEOUT:.0f}; fix or unset it; nothing was changed"
+        )
+    return value
 
 
 def utcnow() -> str:
@@ -336,6 +349,7 @@ class Vault:
         self.path = path
         self._keystore = keystore
         self._sealer: crypto.Sealer | None = None
+        self._rotation_committed = False  # read when Ctrl-C interrupts a rotation
         self.scrub_incomplete = False
         self.cleared_unreadable = 0
 
@@ -878,6 +892,22 @@ class Vault:
 
     # -- rotation and revocation ----------------------------------------
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
+        """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it committed."""
+        self._rotation_committed = False
+        try:
+            return self._rotate(progress, scrub)
+        except KeyboardInterrupt:
+            if not self._rotation_committed:
+                raise Interrupted(
+                    "interrupted; the rotation was not committed: the vault keeps its old key "
+                    "and nothing was changed"
+                ) from None
+            raise Interrupted(
+                "interrupted after the rotation committed: every item is under the new key; "
+                "the next memvault command finishes the key swap and the scrub of old bytes"
+            ) from None
+
+    def _rotate(self, progress: Progress | None, scrub: bool) -> Report:
         """New key; every envelope re-encrypted in one transaction; old bytes scrubbed.
 
         Two-phase key swap: the new key is stored as `<vault_id>.next` while this
@@ -950,6 +980,7 @@ class Vault:
                 )
                 attempted = True
                 conn.execute("COMMIT")
+                self._rotation_committed = True
             finally:
                 if not attempted:
                     # Still holding the lock and nothing committed: no row uses the new
@@ -1095,6 +1126,11 @@ def failpoint(name: str) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("MEMVAULT_PAUSEPOINT") == name:
+        # The interruption tests' variant: say so on stderr and wait for their SIGINT.
+        sys.stderr.write(f"memvault: paused at {name}\n")
+        sys.stderr.flush()
+        time.sleep(600)
 
 
 def _needs_migration(conn: sqlite3.Connection) -> bool:
