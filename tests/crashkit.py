@@ -57,13 +57,16 @@ def writer_items(sid: str, start: int, count: int, size: int) -> list[dict[str, 
 
 
 def start_writer(db: Path, sid: str, start: int, count: int, size: int,
-                 *extra: str) -> subprocess.Popen[str]:
+                 *extra: str, wait: bool = True) -> subprocess.Popen[str]:
+    """Start an agent writer; with `wait`, return once it has opened its session."""
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_FAILPOINT"}
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(db), sid, str(start), str(count), str(size), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )
     assert proc.stdout is not None
+    if not wait:
+        return proc
     line = proc.stdout.readline()
     if line.strip() != "ready":
         proc.kill()
