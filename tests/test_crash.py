@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 N_ITEMS = 10_000
 N_SESSIONS = 25
 N_RANDOM_KILLS = 32
+PROGRESS_EVERY = 50  # rows between two progress lines of a rotation
 TTL = 30 * 86400
 KILLED = -signal.SIGKILL
 TOKEN_PREFIX = re.compile(rb"gAAAAA[A-Za-z0-9_\-]{34}")
@@ -245,23 +246,37 @@ def _check_after_kill(big: BigVault, label: str) -> Outcome:
 ROTATOR = textwrap.dedent(
     """
     import sys, time
+    import vault.crypto as crypto
     import vault.store as store
     from vault.store import Vault
     v = Vault.open(sys.argv[1])
     v.sealer()
     t0 = time.monotonic()
-    if "--marks" in sys.argv:  # the measuring run reports when each step is reached
-        store.failpoint = lambda name: print(name, time.monotonic() - t0, flush=True)
+    # Progress, for the parent to time its kill on: each named step as it is reached,
+    # and every ROWS rows re-encrypted.
+    store.failpoint = lambda name: print(name, time.monotonic() - t0, flush=True)
+    rotate_row = crypto.rotate_row_stamped
+    done = 0
+
+    def counting(*args, **kwargs):
+        global done
+        out = rotate_row(*args, **kwargs)
+        done += 1
+        if done % ROWS == 0:
+            print("rows", done, flush=True)
+        return out
+
+    crypto.rotate_row_stamped = counting
     print("ready", flush=True)
     v.rotate()
     print("done", time.monotonic() - t0, flush=True)
     """
-)
+).replace("ROWS", str(PROGRESS_EVERY))
 
 
-def start_rotator(db: Path, *extra: str) -> subprocess.Popen[str]:
+def start_rotator(db: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", ROTATOR, str(db), *extra],
+        [sys.executable, "-c", ROTATOR, str(db)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={k: v for k, v in os.environ.items() if k != "MEMVAULT_FAILPOINT"},
     )
@@ -274,38 +289,69 @@ def start_rotator(db: Path, *extra: str) -> subprocess.Popen[str]:
     return proc
 
 
+def kill_when(proc: subprocess.Popen[str], reached: Callable[[str, float], bool],
+              then_wait: Callable[[dict[str, float]], float]) -> str:
+    """SIGKILL the rotator once its progress reaches a point (plus a wait derived
+    from the marks seen); returns the last progress line read."""
+    assert proc.stdout is not None
+    seen: dict[str, float] = {}
+    last = ""
+    for line in proc.stdout:
+        name, value = line.split()
+        seen[name] = float(value)
+        last = line.strip()
+        if reached(name, float(value)):
+            time.sleep(then_wait(seen))
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    return last
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_instants(big: BigVault) -> None:
     seed = int(os.environ.get("MEMVAULT_CRASH_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
 
-    # Measure one uninterrupted rotation first (and check that it, too, loses nothing):
-    # its length, and when it commits.
+    # One uninterrupted rotation first (it, too, must lose nothing): when each step
+    # after the commit begins, to spread the late kills over them.
     restore(big)
-    proc = start_rotator(big.db, "--marks")
+    proc = start_rotator(big.db)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     marks = {name: float(t) for name, t in (line.split() for line in out.splitlines())}
-    committed, duration = marks["after-commit"], marks["done"]
-    assert 0 < marks["after-pending"] < committed < marks["after-promotion"] < duration
+    assert marks["rows"] == N_ITEMS
+    assert marks["after-commit"] < marks["after-promotion"] < marks["done"]
     assert check_after_kill(big, "uninterrupted").rotated
 
-    # Stratified random instants: most inside the transaction, the rest spread over
-    # the promotion and the scrub that follow the commit.
+    # Kill instants are set by progress, not by the clock, so that a slow (busy)
+    # machine shifts them with the work: most when a random number of rows has been
+    # re-encrypted (inside the transaction: the rest of the rows is still to do), the
+    # rest a random share of the way through the promotion or the scrub.
     before = N_RANDOM_KILLS * 3 // 4
     after = N_RANDOM_KILLS - before
-    instants = [(i + rng.random()) / before * committed for i in range(before)]
-    instants += [committed + (i + rng.random()) / after * (duration - committed)
-                 for i in range(after)]
+    targets: list[tuple[str, Callable[[str, float], bool], Callable[[dict[str, float]], float]]]
+    targets = []
+    for i in range(before):
+        rows = max(PROGRESS_EVERY, int((i + rng.random()) / before * N_ITEMS * 0.9))
+        targets.append((f"after {rows} rows",
+                        lambda name, v, rows=rows: name == "rows" and v >= rows,
+                        lambda seen: 0.0))
+    for i in range(after):
+        step, following = (("after-commit", "after-promotion") if i % 2 == 0
+                           else ("after-promotion", "done"))
+        share = (i // 2 + rng.random()) / ((after + 1) // 2)
+        span = marks[following] - marks[step]
+        targets.append((f"{share:.2f} of the way from {step}",
+                        lambda name, v, step=step: name == step,
+                        lambda seen, share=share, span=span: share * span))
     outcomes: collections.Counter[str] = collections.Counter()
     killed = 0
-    for i, delay in enumerate(instants):
+    for i, (where, reached, then_wait) in enumerate(targets):
         restore(big)
         proc = start_rotator(big.db)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-        label = f"seed={seed} kill {i} at {delay:.3f}s of {duration:.3f}s rc={proc.returncode}"
+        last = kill_when(proc, reached, then_wait)
+        label = f"seed={seed} kill {i} {where} (last seen {last!r}) rc={proc.returncode}"
         o = check_after_kill(big, label)
         if proc.returncode != KILLED:
             outcomes["finished before the kill"] += 1
@@ -316,8 +362,7 @@ def test_sigkill_at_random_instants(big: BigVault) -> None:
         else:
             outcomes["committed, not promoted" if o.pending_before else "promoted"] += 1
 
-    summary = (f"seed={seed} commit at {committed:.3f}s of {duration:.3f}s killed={killed} "
-               f"outcomes={dict(outcomes)}")
+    summary = (f"seed={seed} marks={marks} killed={killed} outcomes={dict(outcomes)}")
     print(summary)
     # The kills really landed inside the rotation, on both sides of its commit.
     assert killed >= N_RANDOM_KILLS // 2, summary

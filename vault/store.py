@@ -300,9 +300,10 @@ def _check_header(path: Path) -> None:
         page_size = int.from_bytes(header[16:18], "big")
         page_size = 65536 if page_size == 1 else page_size
         pages = int.from_bytes(header[28:32], "big")
-        if pages and page_size and path.stat().st_size < pages * page_size:
+        size = path.stat().st_size
+        if pages and page_size and size < pages * page_size and not _sqlite_finds_it_whole(path):
             raise VaultCorrupt(
-                f"{path} is truncated ({path.stat().st_size} bytes where its header says "
+                f"{path} is truncated ({size} bytes where its header says "
                 f"{pages * page_size}); nothing was changed; restore the vault from a backup"
             )
 
@@ -316,6 +317,28 @@ def _refuse_odd_side_files(path: Path) -> None:
             f"{p} is a {what}, not a file SQLite made; SQLite would write through it; remove "
             f"it (`rm {p}` removes only the name) and retry; nothing was changed"
         )
+
+
+def _sqlite_finds_it_whole(path: Path) -> bool:
+    """Whether SQLite reads every page of a file shorter than its header says.
+
+    A shorter file is not proof of damage: a checkpoint copies the WAL's page 1 (with
+    the new page count) before the pages that extend the file, so a process killed
+    mid-checkpoint leaves the missing pages in the WAL, and SQLite reads them from
+    there. Only a file whose pages SQLite cannot find is truncated.
+    """
+    _refuse_odd_side_files(path)  # before SQLite opens (and may write) the side files
+    with sqlite_errors(path):
+        conn = connect(path)
+    try:
+        try:
+            return conn.execute("PRAGMA quick_check(1)").fetchall() == [("ok",)]
+        except sqlite3.DatabaseError as exc:
+            if isinstance(translate(exc, path), VaultCorrupt):
+                return False
+            raise translate(exc, path) from None
+    finally:
+        conn.close()
 
 
 # --------------------------------------------------------------------------
