@@ -151,7 +151,8 @@ def test_fifo_device_or_socket_is_not_a_vault(tmp_path: Path, what: str, args: l
     path, keep = _special(tmp_path, what)
     try:
         r = run_cli("--db", str(path), *args, timeout=HANG)
-        one_line(r, 3, f"is a {what}, not a vault file")
+        word = "FIFO (named pipe)" if what == "FIFO" else what
+        one_line(r, 3, f"is a {word}, not a vault file")
         assert stat.S_ISFIFO(path.stat().st_mode) if what == "FIFO" else True
     finally:
         if keep is not None:
