@@ -70,15 +70,21 @@ def require_regular(path: Path) -> None:
 
 
 def odd_entries(paths: list[Path]) -> list[tuple[Path, str]]:
-    """The names among `paths` that exist and are not regular files (links not followed)."""
+    """The names among `paths` that exist and are not plain regular files.
+
+    Links are not followed. A regular file with a second name (a hard link) counts:
+    SQLite and a shred would write through it into the other name's contents.
+    """
     out = []
     for p in paths:
         try:
-            mode = os.lstat(p).st_mode
+            st = os.lstat(p)
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(mode):
-            out.append((p, kind(mode)))
+        if not stat.S_ISREG(st.st_mode):
+            out.append((p, kind(st.st_mode)))
+        elif st.st_nlink > 1:
+            out.append((p, f"hard link (a file with {st.st_nlink} names)"))
     return out
 
 

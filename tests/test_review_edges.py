@@ -1,0 +1,51 @@
+"""A second name (hard link) at a side file is never written through.
+
+A hard link at `history.db-wal`, `-shm` or `-journal` is a regular file, but its
+contents belong to another name too: SQLite (which rewrites `-shm` on open) and a
+shred (which zeroes side files) would destroy that other file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
+def test_shred_resumed_after_interruption_leaves_hard_linked_files_intact(
+    cli: Any, vault_db: Path, suffix: str
+) -> None:
+    assert cli("init").code == 0
+    cut = cli("shred", "--yes", env={"MEMVAULT_FAILPOINT": "shred-during-overwrite"})
+    assert cut.code != 0 and vault_db.exists(), cut
+    victim = vault_db.parent.parent / "precious.txt"
+    victim.write_bytes(b"someone else's data\n")
+    os.link(victim, vault_db.with_name(vault_db.name + suffix))
+
+    r = cli("shred", "--yes")
+
+    assert r.code == 0, r
+    assert victim.read_bytes() == b"someone else's data\n"
+    assert not vault_db.exists()
+    assert not vault_db.with_name(vault_db.name + suffix).exists()
+
+
+def test_status_refuses_a_hard_link_at_shm_without_touching_it(
+    cli: Any, vault_db: Path
+) -> None:
+    assert cli("init").code == 0
+    victim = vault_db.parent.parent / "precious.txt"
+    victim.write_bytes(b"someone else's data\n")
+    os.link(victim, vault_db.with_name(vault_db.name + "-shm"))
+
+    r = cli("status")
+
+    assert r.code == 1, r
+    assert "hard link" in r.err and "Traceback" not in r.err
+    assert len(r.err.strip().splitlines()) == 1
+    assert victim.read_bytes() == b"someone else's data\n"
+    assert cli("shred", "--yes").code == 0
+    assert victim.read_bytes() == b"someone else's data\n"
