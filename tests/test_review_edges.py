@@ -8,6 +8,7 @@ shred (which zeroes side files) would destroy that other file.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,27 @@ def test_status_refuses_a_hard_link_at_shm_without_touching_it(
     assert victim.read_bytes() == b"someone else's data\n"
     assert cli("shred", "--yes").code == 0
     assert victim.read_bytes() == b"someone else's data\n"
+
+
+def test_key_import_of_a_fifo_is_refused_at_once(cli: Any, tmp_path: Path) -> None:
+    assert cli("init").code == 0
+    fifo = tmp_path / "kit.json"
+    os.mkfifo(fifo)
+
+    r = cli("key", "import", str(fifo), input="correct horse battery staple\n", timeout=60)
+
+    assert r.code == 2, r
+    assert "FIFO" in r.err and len(r.err.strip().splitlines()) == 1
+
+
+def test_key_export_force_never_replaces_a_fifo_or_device(cli: Any, tmp_path: Path) -> None:
+    # A FIFO stands in for /dev/null: as root, --force used to rename the kit over it.
+    assert cli("init").code == 0
+    fifo = tmp_path / "kit.json"
+    os.mkfifo(fifo)
+
+    r = cli("key", "export", "--force", str(fifo), input="correct horse battery staple\n")
+
+    assert r.code == 2, r
+    assert "FIFO" in r.err and len(r.err.strip().splitlines()) == 1
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)

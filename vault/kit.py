@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +166,10 @@ def seal(master_key: str, vault_id: str, passphrase: str) -> Kit:
 def load(path: str | os.PathLike[str]) -> Kit:
     """Parse a kit file; OperationFailed (exit 1) when it is not a well-formed kit."""
     p = Path(path)
+    with contextlib.suppress(OSError):  # a missing file is phrased below
+        mode = os.stat(p).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would block for ever
+            raise BadInput(f"{p} is a {files.kind(mode)}; give the path of the recovery kit file")
     try:
         with open(p, "rb") as fh:
             data = fh.read(MAX_KIT_BYTES + 1)
@@ -214,6 +220,11 @@ def write_private(path: str | os.PathLike[str], text: str, force: bool = False) 
     target = Path(path)
     if target.is_dir():
         raise BadInput(f"{target} is a folder; give a file name for the recovery kit")
+    with contextlib.suppress(OSError):
+        mode = os.lstat(target).st_mode
+        if force and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            # --force replaces an old kit, never a FIFO or a device such as /dev/null
+            raise BadInput(f"{target} is a {files.kind(mode)}; give a file name for the kit")
     try:
         return files.write_private(target, text.encode("utf-8"), replace=force)
     except FileExistsError:
