@@ -8,7 +8,10 @@ shred (which zeroes side files) would destroy that other file.
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +77,25 @@ def test_key_export_force_never_replaces_a_fifo_or_device(cli: Any, tmp_path: Pa
     assert r.code == 2, r
     assert "FIFO" in r.err and len(r.err.strip().splitlines()) == 1
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_ctrl_c_exits_130_and_says_interrupted(vault: Any, vault_db: Path) -> None:
+    # Click turns Ctrl-C into Abort: it must not pass for a refused confirmation
+    # ("nothing was changed" would be false once a shred has destroyed the key).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vault", "shred"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stderr is not None
+    seen = b""
+    while b"[y/N]" not in seen:  # the question is asked: the process waits on stdin
+        chunk = os.read(proc.stderr.fileno(), 4096)
+        assert chunk, seen
+        seen += chunk
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert b"interrupted" in err and b"--yes" not in err and b"Traceback" not in err
+    assert vault_db.exists()

@@ -148,7 +148,10 @@ class VaultGroup(click.Group):
             if exc.ctx is not None:
                 hint = f"; see `{exc.ctx.command_path} --help`"
             _fail(f"{_one_line(exc.format_message()).rstrip('.')}{hint}", exc.exit_code)
-        except click.exceptions.Abort:
+        except click.exceptions.Abort as exc:
+            if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+                # Click wraps Ctrl-C in Abort: not a refused question, maybe mid-operation
+                _fail("interrupted; the last committed state is intact", 130)
             _fail("aborted; nothing was changed (pass --yes to skip the question)", EXIT_FAILED)
         except click.exceptions.ClickException as exc:
             _fail(_one_line(exc.format_message()), exc.exit_code)
