@@ -90,7 +90,7 @@ def test_link_beside_a_healthy_vault_is_never_written_through(
         link.unlink()
     link.symlink_to(target)
     # Any other command refuses, naming the link, and writes nothing through it.
-    one_line(run_cli("clear", "s", "--yes"), 1, link.name, "symbolic link", "rm ")
+    one_line(run_cli("clear", "s", "--yes"), 1, link.name, "symbolic link", "move it away")
     assert target.read_bytes() == VICTIM_TEXT
     # shred removes the link itself and destroys the vault.
     r = run_cli("shred", "--yes")
@@ -344,3 +344,11 @@ def test_shred_prompt_names_the_vault(vault: Any, vault_db: Path) -> None:
     assert r.code == 1, r
     assert f"Destroy the vault {vault.vault_id} at {vault_db}" in r.err
     assert raw_bytes(vault_db) == before
+
+
+def test_empty_receipt_path_destroys_nothing(vault: Any, vault_db: Path) -> None:
+    # `--receipt "$UNSET"` must not mean "no receipt": the user asked for one.
+    add_items(vault_db, "s", [user("x")])
+    before = raw_bytes(vault_db)
+    one_line(run_cli("shred", "--yes", "--receipt", ""), 2, "receipt path is empty")
+    _intact(vault, vault_db, before)

@@ -341,13 +341,14 @@ def test_shred_source_leaves_no_file_and_no_plaintext(vault: Any, vault_db: Path
     _crashed_writer(src, items)
     wal = src.with_name(src.name + "-wal")
     assert wal.exists() and MARK.encode() in wal.read_bytes()
-    # Hard links keep the inodes reachable after unlink: they show what was left on them.
-    links = tmp_path / "links"
-    links.mkdir()
-    for p in source_files(src):
-        if p.exists():
-            os.link(p, links / p.name)
-    assert MARK.encode() in b"".join(p.read_bytes() for p in links.iterdir())
+    # Open descriptors keep the inodes reachable after unlink: they show what was left on
+    # them (a hard link would be a second name, which the import refuses to write through).
+    held = {p.name: os.open(p, os.O_RDONLY) for p in source_files(src) if p.exists()}
+
+    def left(fd: int) -> bytes:
+        return os.pread(fd, os.fstat(fd).st_size, 0)
+
+    assert MARK.encode() in b"".join(left(fd) for fd in held.values())
 
     r = run_cli("--json", "import", str(src), "--shred-source", "--yes")
     assert r.code == 0, r
@@ -359,10 +360,11 @@ def test_shred_source_leaves_no_file_and_no_plaintext(vault: Any, vault_db: Path
 
     assert [p for p in source_files(src) if p.exists()] == []
     assert list(src.parent.iterdir()) == []
-    for p in links.iterdir():
-        data = p.read_bytes()
-        assert MARK.encode() not in data, p
-        assert data.count(0) == len(data), f"{p.name} was not overwritten with zeros"
+    for name, fd in held.items():
+        data = left(fd)
+        os.close(fd)
+        assert MARK.encode() not in data, name
+        assert data.count(0) == len(data), f"{name} was not overwritten with zeros"
     assert vault_items(vault_db, "crashed") == items
     assert MARK.encode() not in raw_bytes(vault_db)
     shred_events = [e for e in vault.audit_log() if e["event"] == "source-shred"]

@@ -673,7 +673,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
 
     target = shred_target(state().db)  # no vault, nothing asked (exit 3)
     path = target["path"]
-    if receipt:
+    if receipt is not None:
         check_new_file(receipt, "receipt")
     named = f" {target['vault_id']}" if target["vault_id"] else ""
     confirm(f"Destroy the vault{named} at {path}, its key and its files?", yes)
@@ -685,7 +685,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
 
         r = shred(path, progress=bar.update if bar else None, on_total=resize if bar else None)
     failure = None
-    if receipt:
+    if receipt is not None:
         try:
             write_private(receipt, (json.dumps(r, indent=2, sort_keys=True) + "\n").encode())
         except OSError as exc:

@@ -85,15 +85,21 @@ def require_regular(path: Path) -> None:
 
 
 def odd_entries(paths: list[Path]) -> list[tuple[Path, str]]:
-    """The names among `paths` that exist and are not regular files (links not followed)."""
+    """The names among `paths` that exist and are not plain regular files.
+
+    Links are not followed. A regular file with a second name (a hard link) counts:
+    SQLite and a shred would write through it into the other name's contents.
+    """
     out = []
     for p in paths:
         try:
-            mode = os.lstat(p).st_mode
+            st = os.lstat(p)
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(mode):
-            out.append((p, kind(mode)))
+        if not stat.S_ISREG(st.st_mode):
+            out.append((p, kind(st.st_mode)))
+        elif st.st_nlink > 1:
+            out.append((p, f"hard link (a file with {st.st_nlink} names)"))
     return out
 
 
@@ -102,6 +108,8 @@ def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
 
     Run before anything irreversible, so that a bad path costs nothing.
     """
+    if str(path) == "":
+        raise BadInput(f"the {what} path is empty (an unset shell variable?); give a file name")
     target = Path(path)
     try:
         mode: int | None = os.lstat(target).st_mode

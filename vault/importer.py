@@ -190,7 +190,8 @@ class Importer:
             p, what = odd[0]
             raise OperationFailed(
                 f"{p} is a {what}, not a file SQLite made; SQLite would write through it; "
-                f"remove it (`rm {p}` removes only the name) and retry; nothing was imported"
+                "move it away (for a link, `rm` removes only the name) and retry; "
+                "nothing was imported"
             )
         try:
             with open(src, "rb") as fh:

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +243,11 @@ def write_private(path: str | os.PathLike[str], text: str, force: bool = False) 
     target = Path(path)
     if target.is_dir():
         raise BadInput(f"{target} is a folder; give a file name for the recovery kit")
+    with contextlib.suppress(OSError):
+        mode = os.lstat(target).st_mode
+        if force and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            # --force replaces an old kit, never a FIFO or a device such as /dev/null
+            raise BadInput(f"{target} is a {files.kind(mode)}; give a file name for the kit")
     try:
         return files.write_private(target, text.encode("utf-8"), replace=force)
     except FileExistsError:

@@ -314,8 +314,8 @@ def _refuse_odd_side_files(path: Path) -> None:
     if odd:
         p, what = odd[0]
         raise OperationFailed(
-            f"{p} is a {what}, not a file SQLite made; SQLite would write through it; remove "
-            f"it (`rm {p}` removes only the name) and retry; nothing was changed"
+            f"{p} is a {what}, not a file SQLite made; SQLite would write through it; move "
+            f"it away (for a link, `rm` removes only the name) and retry; nothing was changed"
         )
 
 
