@@ -13,6 +13,7 @@ import json
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -165,11 +166,22 @@ def rows(db: Path, session_id: str | None = None) -> list[str]:
         conn.close()
 
 
+def default_sigint() -> None:
+    """Give a child Ctrl-C's default action back.
+
+    A shell starts background jobs with SIGINT ignored, and an ignored signal stays
+    ignored across exec, so Python would never raise KeyboardInterrupt: the Ctrl-C
+    tests would hang when the suite itself runs in the background.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_on_terminal(args: list[str], answers: list[tuple[bytes, str]],
                     timeout: float = 120) -> tuple[int, bytes]:
     """Run `python -m vault ARGS` on a pseudo-terminal, answering each prompt in turn."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its stdin, stdout, stderr and controlling tty
+        default_sigint()
         os.chdir(ROOT)
         os.execv(sys.executable, [sys.executable, "-m", "vault", *args])
     output = b""
@@ -192,7 +204,15 @@ def run_on_terminal(args: list[str], answers: list[tuple[bytes, str]],
                 seen = output.index(prompt, seen) + len(prompt)
                 os.write(fd, answer.encode() + b"\r")
     finally:
-        _, status = os.waitpid(pid, 0)
+        # Never wait for ever on a child that ignored what it was sent: the test fails instead.
+        done, status = os.waitpid(pid, os.WNOHANG)
+        end = time.monotonic() + 10
+        while not done and time.monotonic() < end:
+            time.sleep(0.05)
+            done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
         os.close(fd)
     assert not pending, output
     return os.waitstatus_to_exitcode(status), output

@@ -18,7 +18,16 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, add_items, assistant, rows, run_cli, run_on_terminal, user
+from tests.conftest import (
+    ROOT,
+    add_items,
+    assistant,
+    default_sigint,
+    rows,
+    run_cli,
+    run_on_terminal,
+    user,
+)
 
 ITEMS = 1500  # more than one batch of the rotation (1000 rows)
 
@@ -33,7 +42,7 @@ def rotate_until_paused(step: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vault", "rotate"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env, cwd=ROOT,
+        text=True, env=env, cwd=ROOT, preexec_fn=default_sigint,
     )
     assert proc.stderr is not None
     deadline = time.monotonic() + 120  # generous: the step is reached by progress, not time
@@ -53,7 +62,12 @@ def rotate_until_paused(step: str) -> subprocess.Popen[str]:
 
 def interrupt(proc: subprocess.Popen[str]) -> tuple[int, str]:
     proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=120)
+    try:
+        _out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _out, err = proc.communicate()
+        raise AssertionError(f"rotate ignored SIGINT: {err[-2000:]!r}") from None
     return proc.returncode, err
 
 
