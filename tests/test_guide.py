@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import ROOT, raw_bytes, run_cli
 
 CODE = "ZEPHYR-4821"
@@ -84,3 +86,23 @@ def test_demo_command_passes_and_cleans_up(tmp_path: Path) -> None:
     assert len(ids) == 1, r.out
     assert keyring.get_password("memvault", ids[0]) is None
     assert keyring.get_password("memvault", ids[0] + ".next") is None
+
+
+@pytest.mark.slow
+def test_readme_main_job_runs_where_keyring_would_pick_a_plaintext_file(tmp_path: Path) -> None:
+    # No session bus: `keyring` itself would fall back to keyrings.alt's plaintext file,
+    # which memvault refuses. scripts/demo must notice and use a private Secret Service.
+    import os
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DBUS_SESSION_BUS_ADDRESS", "PYTHON_KEYRING_BACKEND",
+                        "MEMVAULT_IN_PRIVATE_KEYRING", "GNOME_KEYRING_CONTROL")}
+    env.update(HOME=str(home), XDG_DATA_HOME=str(home / ".local" / "share"), TMPDIR=str(tmp_path))
+    proc = subprocess.run([str(ROOT / "scripts" / "demo")], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "all checks passed" in proc.stdout
+    assert "private throwaway Secret Service" in proc.stderr
+    assert not list(home.rglob("keyring_pass.cfg"))  # no master key in a plain file
