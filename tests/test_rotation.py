@@ -717,7 +717,7 @@ def test_revoke_during_a_rotation_is_never_undone_by_its_promotion(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A revoke that lands between a rotation's commit and its key promotion wins."""
-    import vault.store as store
+    import vault.testhooks as testhooks
 
     populate(vault_db)
     vault_id = vault.vault_id
@@ -727,11 +727,11 @@ def test_revoke_during_a_rotation_is_never_undone_by_its_promotion(
         if name == "after-commit" and not revoke:
             revoke.append(run_cli("--json", "revoke", "--yes", env={"MEMVAULT_LOCK_TIMEOUT": "5"}))
 
-    real = store.failpoint
-    monkeypatch.setattr(store, "failpoint", interleave)
+    real = testhooks.failpoint
+    monkeypatch.setattr(testhooks, "failpoint", interleave)
     with contextlib.suppress(KeyRevoked):
         vault.rotate()
-    monkeypatch.setattr(store, "failpoint", real)
+    monkeypatch.setattr(testhooks, "failpoint", real)
 
     assert revoke and revoke[0].code == 0, revoke
     assert vault_entries(vault_id) == {}, "the rotation brought a revoked vault's key back"

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import crypto, files, paths
+from . import crypto, files, paths, testhooks
 from .errors import BadInput, OperationFailed, UnknownSession, VaultBusy
 from .store import (
     MESSAGES_TABLE,
@@ -51,7 +51,6 @@ from .store import (
     Progress,
     Vault,
     _audit,
-    failpoint,
     utcnow,
 )
 
@@ -537,7 +536,7 @@ class Importer:
                 count += len(batch)
                 if progress:
                     progress(len(batch))
-                failpoint("import-in-transaction")  # test-only SIGKILL, see store.failpoint
+                testhooks.failpoint("import-in-transaction")
             # Read back, inside the transaction: same count, same items, same order.
             vault_digest = hashlib.sha256()
             stored = 0
@@ -568,7 +567,7 @@ class Importer:
         src = plan.source
         conn = self.conn
         try:
-            failpoint("import-before-source-shred")
+            testhooks.failpoint("import-before-source-shred")
             rows = conn.execute(f"DELETE FROM {_q(plan.messages_table)}").rowcount
             conn.execute(f"DELETE FROM {_q(plan.sessions_table)}")
             conn.execute("COMMIT")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import crypto, files, paths
+from . import crypto, files, paths, testhooks
 from .errors import (
     BadInput,
     Interrupted,
@@ -893,7 +893,7 @@ class Vault:
                     kept += 1
                 if progress:
                     progress(1)
-            failpoint("purge-in-transaction")
+            testhooks.failpoint("purge-in-transaction")
             conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
             deleted = len(doomed)
             if deleted:
@@ -961,7 +961,7 @@ class Vault:
             ks.set_pending(vault_id, new.master_key)
             attempted = False
             try:
-                failpoint("after-pending")
+                testhooks.failpoint("after-pending")
                 _set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
                 last = -1
                 while True:
@@ -990,7 +990,7 @@ class Vault:
                     last = batch[-1][0]
                     if progress:
                         progress(len(batch))
-                    failpoint("in-transaction")
+                    testhooks.failpoint("in-transaction")
                 _audit(
                     conn,
                     "rotate",
@@ -1013,13 +1013,13 @@ class Vault:
                         conn.execute("ROLLBACK")
                     with contextlib.suppress(Exception):
                         ks.delete_pending(vault_id)
-        failpoint("after-commit")
+        testhooks.failpoint("after-commit")
         try:
             promoted = self._promote(vault_id, new)
         except VaultBusy:
             # Committed, and `.next` holds the key: the next open (or rotation) promotes it.
             promoted = True
-        failpoint("after-promotion")
+        testhooks.failpoint("after-promotion")
         self._sealer = new if promoted else None
         if not promoted:
             self.sealer(refresh=True)  # revoked meanwhile: KeyRevoked; else the newer key
@@ -1068,12 +1068,12 @@ class Vault:
                 _set_meta(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
                 _audit(conn, "revoke", kid)
             conn.execute("COMMIT")
-            failpoint("revoke-after-mark")
+            testhooks.failpoint("revoke-after-mark")
             # Still under the write lock: no rotation can store or promote a key meanwhile.
             destroyed = False
             if pending is not None:
                 destroyed = ks.delete_pending(vault_id)
-            failpoint("revoke-after-pending")
+            testhooks.failpoint("revoke-after-pending")
             destroyed = ks.delete(vault_id) or destroyed
         self._sealer = None
         return {
@@ -1105,7 +1105,7 @@ class Vault:
             try:
                 if conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
                     return False
-                failpoint("during-scrub")
+                testhooks.failpoint("during-scrub")
                 conn.execute("VACUUM")
                 conn.execute("BEGIN IMMEDIATE")
                 _set_meta(conn, scrub_pending="0")
@@ -1137,23 +1137,6 @@ class Vault:
                     "SELECT at, event, kid, details FROM memvault_audit ORDER BY id"
                 )
             ]
-
-
-def failpoint(name: str) -> None:
-    """Test-only crash injection: SIGKILL this process at a named step.
-
-    The crash tests set MEMVAULT_FAILPOINT to prove a kill at each step of a
-    rotation loses nothing. Unset, this is one dictionary lookup.
-    """
-    if os.environ.get("MEMVAULT_FAILPOINT") == name:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get("MEMVAULT_PAUSEPOINT") == name:
-        # The interruption tests' variant: say so on stderr and wait for their SIGINT.
-        sys.stderr.write(f"memvault: paused at {name}\n")
-        sys.stderr.flush()
-        time.sleep(600)
 
 
 def _needs_migration(conn: sqlite3.Connection) -> bool:
@@ -1391,7 +1374,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                         # The cut-off run may have destroyed it already: it is gone either way.
                         outcome["key_destroyed"] = True
                     report.update(outcome)
-                    failpoint("shred-after-key")
+                    testhooks.failpoint("shred-after-key")
                     _set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
                 conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
                 conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
@@ -1521,7 +1504,7 @@ def shred(
         except _Damaged:
             if report.get("key_destroyed") is None:
                 _destroy_keys_of_damaged(path, keystore, report)
-        failpoint("shred-after-rows")
+        testhooks.failpoint("shred-after-rows")
     stamp_fields = ("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid")
     stamp_bytes = (
         SHRED_MAGIC
@@ -1534,7 +1517,7 @@ def shred(
         if on_total:
             on_total(sum(os.lstat(p).st_size for p, _ in _regular_files(path)))
         size = files.overwrite(path, stamp_bytes, progress)
-        failpoint("shred-during-overwrite")
+        testhooks.failpoint("shred-during-overwrite")
         for p in paths.sidecars(path)[1:]:
             entry = files.destroy(p, b"", progress)
             if entry:
