@@ -44,15 +44,8 @@ from typing import Any
 
 from . import crypto, files, paths, testhooks
 from .errors import BadInput, OperationFailed, UnknownSession, VaultBusy
-from .store import (
-    MESSAGES_TABLE,
-    SESSIONS_TABLE,
-    SQLITE_MAGIC,
-    Progress,
-    Vault,
-    _audit,
-    utcnow,
-)
+from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
+from .store import Progress, Vault, _audit
 
 SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
 MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")

@@ -51,7 +51,8 @@ from .errors import (
     OperationFailed,
 )
 from .keys import ASIDE_INFIX
-from .store import Vault, _audit, utcnow
+from .schema import utcnow
+from .store import Vault, _audit
 
 KIT_FORMAT = "memvault-recovery-kit"
 KIT_VERSION = 1

@@ -20,7 +20,8 @@ from agents.extensions.memory import EncryptedSession
 from cryptography.fernet import InvalidToken
 
 from .errors import NotAVault, UnknownSession
-from .store import GUARD_MESSAGE, configure, lock_timeout, parse_ttl, translate
+from .schema import GUARD_MESSAGE
+from .store import configure, lock_timeout, parse_ttl, translate
 
 if TYPE_CHECKING:
     from pathlib import Path
