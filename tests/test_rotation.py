@@ -315,11 +315,11 @@ def test_rotation_is_one_transaction_with_synchronous_full(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every envelope and the kid change in one BEGIN IMMEDIATE ... COMMIT, synchronous=FULL."""
-    import vault.store as store
+    import vault.db as db
 
     populate(vault_db)
     traces: list[tuple[int, list[str]]] = []
-    real_connect = store.connect
+    real_connect = db.connect
 
     def traced(path: Path, timeout: float | None = None) -> sqlite3.Connection:
         conn = real_connect(path, timeout)
@@ -328,9 +328,9 @@ def test_rotation_is_one_transaction_with_synchronous_full(
         conn.set_trace_callback(lambda sql: log.append(" ".join(sql.split())))
         return conn
 
-    monkeypatch.setattr(store, "connect", traced)
+    monkeypatch.setattr(db, "connect", traced)
     vault.rotate()
-    monkeypatch.setattr(store, "connect", real_connect)
+    monkeypatch.setattr(db, "connect", real_connect)
 
     rewriting = [(sync, log) for sync, log in traces
                  if any(s.startswith("UPDATE agent_messages") for s in log)]

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from . import crypto, files, paths, testhooks
+from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession, VaultBusy
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
-from .store import Progress, Vault, _audit
+from .store import Progress, Vault
 
 SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
 MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")
@@ -463,13 +464,10 @@ class Importer:
         }
         if self.shred_source:
             report["source_shredded"] = self._shred_source()
-            with vault._connect() as conn:
-                conn.execute("BEGIN IMMEDIATE")
-                _audit(conn, "source-shred", vault.sealer().kid,
-                       files=len(report["source_shredded"]["files"]),
-                       bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
-                       rows=report["source_shredded"]["rows"])
-                conn.execute("COMMIT")
+            vault.record("source-shred", vault.sealer().kid,
+                         files=len(report["source_shredded"]["files"]),
+                         bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
+                         rows=report["source_shredded"]["rows"])
         report["at"] = utcnow()
         return report
 
@@ -493,10 +491,8 @@ class Importer:
         sid = s.session_id
         source_digest = hashlib.sha256()
         count = 0
-        with vault._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            vault._check_kid(conn, sealer)
-            sealer = vault.sealer()
+        with vault.write_transaction() as conn:
+            sealer = vault.check_kid(conn, sealer)
             if conn.execute(
                 f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = ? UNION ALL "
                 f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = ? LIMIT 1",
@@ -550,8 +546,7 @@ class Importer:
                     f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
                     f"back and not imported ({part - 1} session(s) before it were)"
                 )
-            _audit(conn, "import", sealer.kid, items=count, part=part, parts=parts)
-            conn.execute("COMMIT")
+            audit(conn, "import", sealer.kid, items=count, part=part, parts=parts)
         return count
 
     def _shred_source(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from .errors import (
 )
 from .keys import ASIDE_INFIX
 from .schema import utcnow
-from .store import Vault, _audit
+from .store import Vault
 
 KIT_FORMAT = "memvault-recovery-kit"
 KIT_VERSION = 1
@@ -272,10 +272,7 @@ def export_kit(
     vault_id = vault.vault_id
     kit = seal(sealer.master_key, vault_id, passphrase)
     target = write_private(path, kit.to_json(), force=force)
-    with vault._connect() as conn:
-        conn.execute("BEGIN IMMEDIATE")
-        _audit(conn, "key-export", kit.kid, kit_version=KIT_VERSION, kdf="scrypt")
-        conn.execute("COMMIT")
+    vault.record("key-export", kit.kid, kit_version=KIT_VERSION, kdf="scrypt")
     return {"path": str(target), "vault_id": vault_id, "kid": kit.kid,
             "created_at": kit.created_at}
 
@@ -353,11 +350,8 @@ def import_kit(
         fresh = vault.sealer(refresh=True)
         if fresh.kid != meta["kid"]:
             raise KeyProblem(f"the keyring did not keep the restored key for vault {vault_id}")
-    with vault._connect() as conn:
-        conn.execute("BEGIN IMMEDIATE")
-        extra = {"replaced_kid": replaced} if replaced else {}
-        _audit(conn, "key-import", kit.kid, keyring_before=state, **extra)
-        conn.execute("COMMIT")
+    extra = {"replaced_kid": replaced} if replaced else {}
+    vault.record("key-import", kit.kid, keyring_before=state, **extra)
     kept = f"{vault_id}{ASIDE_INFIX}{replaced}" if replaced and replaced != "unknown" else None
     return {"path": str(p), "vault_id": vault_id, "kid": kit.kid, "keyring_before": state,
             "replaced_kid": replaced, "kept_aside_as": kept, "restored": state != "present",

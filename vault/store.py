@@ -10,23 +10,36 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import secrets
 import sqlite3
 import stat
-import sys
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from . import crypto, files, paths, testhooks
+from .db import (
+    SCRUB_WAIT,
+    VaultFile,
+    audit,
+    check_header,
+    connect,
+    is_busy,
+    is_damage,
+    lock_timeout,
+    parse_ttl,
+    read_header,
+    read_meta,
+    refuse_odd_side_files,
+    set_meta,
+    sqlite_errors,
+    translate,
+)
 from .errors import (
-    BadInput,
     Interrupted,
     ItemsUnreadable,
     KeyMismatch,
@@ -44,7 +57,6 @@ from .keys import KeyStore, require_key
 from .schema import (
     DEFAULT_TTL,
     FORMAT,
-    GUARD_MESSAGE,
     MESSAGES_TABLE,
     SESSIONS_TABLE,
     SHRED_MAGIC,
@@ -67,183 +79,8 @@ __all__ = [
     "shred_target",
 ]
 
-ENV_LOCK_TIMEOUT = "MEMVAULT_LOCK_TIMEOUT"
-DEFAULT_LOCK_TIMEOUT = 120.0
-# One day: SQLite takes the timeout in milliseconds as a C int; far larger values overflow.
-MAX_LOCK_TIMEOUT = 86400.0
-# Checkpoints wait this long for readers before the scrub reports itself incomplete.
-SCRUB_WAIT = 2.0
-
 Progress = Callable[[int], None]
 T = TypeVar("T")
-
-
-def lock_timeout() -> float:
-    """How long writers wait for the write lock (rotations can take a while).
-
-    A set but unusable `$MEMVAULT_LOCK_TIMEOUT` is refused (exit 2) instead of being
-    ignored: a typo must not turn a short timeout into the two-minute default.
-    """
-    raw = os.environ.get(ENV_LOCK_TIMEOUT)
-    if not raw:
-        return DEFAULT_LOCK_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (0 <= value <= MAX_LOCK_TIMEOUT):  # also refuses nan and inf
-        raise BadInput(
-            f"{ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds between 0 and "
-            f"{MAX_LOCK_TIMEOUT:.0f}; fix or unset it; nothing was changed"
-        )
-    return value
-
-
-# --------------------------------------------------------------------------
-# SQLite connections and error translation
-# --------------------------------------------------------------------------
-def configure(conn: sqlite3.Connection, timeout: float) -> None:
-    """Pragmas every vault connection uses (the SDK session's connections too)."""
-    conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-    conn.execute("PRAGMA secure_delete = ON")  # deleted cells and pages are zeroed
-    conn.execute("PRAGMA temp_store = MEMORY")  # VACUUM's copy never touches a temp file
-    conn.execute("PRAGMA synchronous = FULL")
-    if sys.platform == "darwin":
-        conn.execute("PRAGMA fullfsync = ON")
-
-
-def connect(path: Path, timeout: float | None = None) -> sqlite3.Connection:
-    """Open an existing file read-write; never creates one (mode=rw)."""
-    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=rw"
-    t = lock_timeout() if timeout is None else timeout
-    conn = sqlite3.connect(uri, uri=True, timeout=t, isolation_level=None, check_same_thread=False)
-    try:
-        configure(conn, t)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def translate(exc: sqlite3.Error, path: Path) -> VaultError:
-    """One user-facing error for each way SQLite can fail on a vault file."""
-    text = str(exc)
-    low = text.lower()
-    if "file is not a database" in low:
-        return NotAVault(
-            f"{path} is not a SQLite database, so it is not a memvault vault; "
-            "point --db or MEMVAULT_DB at your vault"
-        )
-    if "malformed" in low or "corrupt" in low:
-        return VaultCorrupt(
-            f"{path} is damaged ({text}); nothing was changed; restore the vault from a backup"
-        )
-    if "locked" in low or "busy" in low:
-        return VaultBusy(
-            f"{path} is busy: another process holds its lock ({text}); wait for "
-            f"it to finish, or raise {ENV_LOCK_TIMEOUT} (seconds)"
-        )
-    if "readonly" in low or "read-only" in low or "unable to open" in low or "permission" in low:
-        return OperationFailed(
-            f"cannot write to {path} or its folder ({text}); check the "
-            "permissions of the file and its folder; nothing was changed"
-        )
-    if "disk i/o" in low or "full" in low:
-        return OperationFailed(
-            f"I/O error on {path} ({text}); check the disk; the last committed state is intact"
-        )
-    if GUARD_MESSAGE in text:
-        return OperationFailed(f"{text}; nothing was stored")
-    return OperationFailed(f"SQLite error on {path}: {text}")
-
-
-@contextlib.contextmanager
-def sqlite_errors(path: Path) -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.Error as exc:
-        raise translate(exc, path) from exc
-
-
-def _file_header(path: Path) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(100)
-
-
-def _read_header(path: Path) -> bytes:
-    """The file's first bytes, or the error that says why there is no vault file."""
-    if not path.exists():
-        raise NotAVault(
-            f"no vault at {path}; create one with `memvault init`, or point --db / "
-            "MEMVAULT_DB at an existing vault"
-        )
-    files.require_regular(path)  # a FIFO or device would block or lie; never opened
-    try:
-        return _file_header(path)
-    except OSError as exc:
-        raise OperationFailed(
-            f"cannot read {path} ({exc.strerror}); check its permissions; nothing was changed"
-        ) from None
-
-
-def _check_header(path: Path) -> None:
-    """Reject what is plainly not a vault before SQLite touches (or creates) anything."""
-    header = _read_header(path)
-    if header.startswith(SHRED_MAGIC):
-        raise NotAVault(
-            f"{path} is a vault whose shred was interrupted; run `memvault shred` "
-            "again to finish it"
-        )
-    if not header:
-        raise NotAVault(f"{path} is empty, not a memvault vault")
-    if not header.startswith(SQLITE_MAGIC):
-        raise NotAVault(
-            f"{path} is not a SQLite database, so it is not a memvault vault; "
-            "point --db or MEMVAULT_DB at your vault"
-        )
-    if len(header) >= 32:
-        page_size = int.from_bytes(header[16:18], "big")
-        page_size = 65536 if page_size == 1 else page_size
-        pages = int.from_bytes(header[28:32], "big")
-        size = path.stat().st_size
-        if pages and page_size and size < pages * page_size and not _sqlite_finds_it_whole(path):
-            raise VaultCorrupt(
-                f"{path} is truncated ({size} bytes where its header says "
-                f"{pages * page_size}); nothing was changed; restore the vault from a backup"
-            )
-
-
-def _refuse_odd_side_files(path: Path) -> None:
-    """SQLite follows a link at `-wal`/`-shm`/`-journal` and writes through it: refuse."""
-    odd = files.odd_entries(paths.sidecars(path)[1:])
-    if odd:
-        p, what = odd[0]
-        raise OperationFailed(
-            f"{p} is a {what}, not a file SQLite made; SQLite would write through it; move "
-            f"it away (for a link, `rm` removes only the name) and retry; nothing was changed"
-        )
-
-
-def _sqlite_finds_it_whole(path: Path) -> bool:
-    """Whether SQLite reads every page of a file shorter than its header says.
-
-    A shorter file is not proof of damage: a checkpoint copies the WAL's page 1 (with
-    the new page count) before the pages that extend the file, so a process killed
-    mid-checkpoint leaves the missing pages in the WAL, and SQLite reads them from
-    there. Only a file whose pages SQLite cannot find is truncated.
-    """
-    _refuse_odd_side_files(path)  # before SQLite opens (and may write) the side files
-    with sqlite_errors(path):
-        conn = connect(path)
-    try:
-        try:
-            return conn.execute("PRAGMA quick_check(1)").fetchall() == [("ok",)]
-        except sqlite3.DatabaseError as exc:
-            if isinstance(translate(exc, path), VaultCorrupt):
-                return False
-            raise translate(exc, path) from None
-    finally:
-        conn.close()
 
 
 # --------------------------------------------------------------------------
@@ -270,11 +107,11 @@ class Report:
     scrubbed: bool = True
 
 
-class Vault:
+class Vault(VaultFile):
     """The library object behind every command. Open with `Vault.open` or `Vault.init`."""
 
     def __init__(self, path: Path, keystore: KeyStore | None = None) -> None:
-        self.path = path
+        super().__init__(path)
         self._keystore = keystore
         self._sealer: crypto.Sealer | None = None
         self._rotation_committed = False  # read when Ctrl-C interrupts a rotation
@@ -340,28 +177,24 @@ class Vault:
             # The key goes in first: a crash between the two leaves an unused keyring
             # entry, never a vault without its key.
             ks.set(vault_id, key)
-            with sqlite_errors(path):
-                conn = connect(path)
-                try:
-                    conn.execute("PRAGMA journal_mode = WAL")
-                    conn.execute("BEGIN IMMEDIATE")
-                    migrate(conn)
-                    now = utcnow()
-                    meta = {
-                        "format": FORMAT,
-                        "vault_id": vault_id,
-                        "kid": kid,
-                        "ttl_seconds": "never" if ttl is None else str(ttl),
-                        "created_at": now,
-                        "rotated_at": now,
-                    }
-                    conn.executemany(
-                        "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
-                    )
-                    _audit(conn, "init", kid, ttl=crypto.format_duration(ttl))
-                    conn.execute("COMMIT")
-                finally:
-                    conn.close()
+            vault = cls(path, ks)
+            with vault.connection() as conn:
+                conn.execute("PRAGMA journal_mode = WAL")  # persistent: set once, outside
+            with vault.write_transaction() as conn:
+                migrate(conn)
+                now = utcnow()
+                meta = {
+                    "format": FORMAT,
+                    "vault_id": vault_id,
+                    "kid": kid,
+                    "ttl_seconds": "never" if ttl is None else str(ttl),
+                    "created_at": now,
+                    "rotated_at": now,
+                }
+                conn.executemany(
+                    "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
+                )
+                audit(conn, "init", kid, ttl=crypto.format_duration(ttl))
         except BaseException:
             for p in paths.sidecars(path):
                 with contextlib.suppress(FileNotFoundError):
@@ -369,7 +202,6 @@ class Vault:
             with contextlib.suppress(VaultError):
                 ks.delete(vault_id)
             raise
-        vault = cls(path, ks)
         vault._sealer = crypto.Sealer(key)
         return vault
 
@@ -379,57 +211,29 @@ class Vault:
     ) -> Vault:
         """Check that the path is a vault; the key is loaded only when needed."""
         path = paths.resolve_db_path(db)
-        _check_header(path)
-        _refuse_odd_side_files(path)
+        check_header(path)
+        refuse_odd_side_files(path)
         vault = cls(path, keystore)
         meta = vault.meta()
         if meta.get("format") != FORMAT:
             raise NotAVault(
                 f"{path} has an unknown memvault format {meta.get('format')!r}; upgrade memvault"
             )
-        with sqlite_errors(path), vault._connect() as conn:
-            if needs_migration(conn):
-                conn.execute("BEGIN IMMEDIATE")
-                migrate(conn)
-                conn.execute("COMMIT")
+        with vault.connection() as conn:
+            stale = needs_migration(conn)  # asked without taking the write lock
+        if stale:
+            with vault.write_transaction() as conn:
+                migrate(conn)  # applies only what another process has not applied meanwhile
         if meta.get("scrub_pending") == "1" and "revoked_at" not in meta:
             # A rotation, purge or clear was cut off before its scrub: finish it now.
             vault.scrub_incomplete = not vault.scrub()
         return vault
-
-    # -- plumbing -------------------------------------------------------
-    @contextlib.contextmanager
-    def _connect(self, timeout: float | None = None) -> Iterator[sqlite3.Connection]:
-        if not self.path.exists():
-            _read_header(self.path)  # shredded or moved since this object opened it
-        with sqlite_errors(self.path):
-            conn = connect(self.path, timeout)
-        try:
-            with sqlite_errors(self.path):
-                yield conn
-        finally:
-            if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-            conn.close()
 
     @property
     def keystore(self) -> KeyStore:
         if self._keystore is None:
             self._keystore = KeyStore()
         return self._keystore
-
-    def meta(self) -> dict[str, str]:
-        with self._connect() as conn:
-            return _read_meta(conn, self.path)
-
-    @property
-    def vault_id(self) -> str:
-        return self.meta()["vault_id"]
-
-    @property
-    def ttl(self) -> int | None:
-        return parse_ttl(self.meta(), self.path)
 
     # -- the key --------------------------------------------------------
     def sealer(self, refresh: bool = False) -> crypto.Sealer:
@@ -493,9 +297,9 @@ class Vault:
         `wait=False`, raises VaultBusy at once when another connection holds the lock.
         """
         ks = self.keystore
-        with self._connect(timeout=None if wait else 0) as conn:
+        with self.connection(timeout=None if wait else 0) as conn:
             conn.execute("BEGIN IMMEDIATE")
-            meta = _read_meta(conn, self.path)
+            meta = read_meta(conn, self.path)
             if meta["kid"] != sealer.kid:
                 if "revoked_at" in meta:
                     ks.delete_pending(vault_id)
@@ -512,9 +316,9 @@ class Vault:
         `.next` until its commit, so holding it proves no rotation is in flight.
         """
         try:
-            with self._connect(timeout=0) as conn:
+            with self.connection(timeout=0) as conn:
                 conn.execute("BEGIN IMMEDIATE")
-                if _read_meta(conn, self.path)["kid"] == file_kid:
+                if read_meta(conn, self.path)["kid"] == file_kid:
                     self.keystore.delete_pending(vault_id)
                 conn.execute("ROLLBACK")
         except VaultBusy:
@@ -522,7 +326,7 @@ class Vault:
 
     # -- reading --------------------------------------------------------
     def session_ids(self) -> list[str]:
-        with self._connect() as conn:
+        with self.connection() as conn:
             return [
                 r[0]
                 for r in conn.execute(
@@ -532,7 +336,7 @@ class Vault:
             ]
 
     def count_items(self) -> int:
-        with self._connect() as conn:
+        with self.connection() as conn:
             return int(conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0])
 
     def _snapshot(
@@ -547,9 +351,9 @@ class Vault:
         """
         sealer = self.sealer()
         for _attempt in range(50):
-            with self._connect() as conn:
+            with self.connection() as conn:
                 conn.execute("BEGIN")  # deferred: the first SELECT fixes the snapshot
-                meta = _read_meta(conn, self.path)
+                meta = read_meta(conn, self.path)
                 if meta["kid"] == sealer.kid:
                     result = read(conn, sealer, parse_ttl(meta, self.path))
                     conn.execute("COMMIT")
@@ -652,7 +456,7 @@ class Vault:
             "keyring": None,
             "key": None,
         }
-        with self._connect() as conn:
+        with self.connection() as conn:
             out["sessions"] = len(self.session_ids())
             out["items"] = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
         try:
@@ -689,10 +493,8 @@ class Vault:
         if n <= 0:
             raise OperationFailed("the number of items to pop must be positive")
         sealer = self.sealer()
-        with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            self._check_kid(conn, sealer)
-            sealer = self._sealer or sealer  # reloaded if another process rotated
+        with self.write_transaction() as conn:
+            sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
             self._require_session(conn, session_id)
             rows = conn.execute(
                 f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = ? "
@@ -709,8 +511,7 @@ class Vault:
                     )
                 popped.append(opened.item)
             conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in rows])
-            _set_meta(conn, scrub_pending="1")
-            conn.execute("COMMIT")
+            set_meta(conn, scrub_pending="1")
         self.scrub_incomplete = not self.scrub()
         return popped
 
@@ -722,10 +523,8 @@ class Vault:
         `include_unreadable`. `cleared_unreadable` tells how many of those went.
         """
         sealer = self.sealer()
-        with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            self._check_kid(conn, sealer)
-            sealer = self._sealer or sealer
+        with self.write_transaction() as conn:
+            sealer = self.check_kid(conn, sealer)
             self._require_session(conn, session_id)
             unreadable = sum(
                 sealer.state(session_id, data, None) is crypto.ItemState.UNREADABLE
@@ -745,9 +544,8 @@ class Vault:
                 f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = ?", (session_id,)
             ).rowcount
             conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = ?", (session_id,))
-            _set_meta(conn, scrub_pending="1")
-            _audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
-            conn.execute("COMMIT")
+            set_meta(conn, scrub_pending="1")
+            audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
         self.cleared_unreadable = unreadable
         self.scrub_incomplete = not self.scrub()
         return n
@@ -758,32 +556,26 @@ class Vault:
         Marked pending first, so that a scrub kept from finishing by a reader is
         finished by the next open.
         """
-        with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            _set_meta(conn, scrub_pending="1")
-            conn.execute("COMMIT")
+        with self.write_transaction() as conn:
+            set_meta(conn, scrub_pending="1")
         self.scrub_incomplete = not self.scrub()
         return not self.scrub_incomplete
 
     def set_ttl(self, ttl: int | None) -> None:
         sealer = self.sealer()
-        with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            old = _read_meta(conn, self.path).get("ttl_seconds")
+        with self.write_transaction() as conn:
+            old = read_meta(conn, self.path).get("ttl_seconds")
             new = "never" if ttl is None else str(ttl)
-            _set_meta(conn, ttl_seconds=new)
-            _audit(conn, "ttl", sealer.kid, old=old, new=new)
-            conn.execute("COMMIT")
+            set_meta(conn, ttl_seconds=new)
+            audit(conn, "ttl", sealer.kid, old=old, new=new)
 
     def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
         """Delete items that authenticate under the key and are past the TTL."""
         sealer = self.sealer()
         deleted = kept = unreadable = 0
-        with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            self._check_kid(conn, sealer)
-            sealer = self._sealer or sealer  # reloaded if another process rotated
-            meta = _read_meta(conn, self.path)
+        with self.write_transaction() as conn:
+            sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
+            meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
             doomed = []
             for row_id, sid, data in conn.execute(
@@ -802,21 +594,25 @@ class Vault:
             conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
             deleted = len(doomed)
             if deleted:
-                _set_meta(conn, scrub_pending="1")
-            _audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)
-            conn.execute("COMMIT")
+                set_meta(conn, scrub_pending="1")
+            audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)
         scrubbed = self.scrub() if deleted else True
         self.scrub_incomplete = not scrubbed
         return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed)
 
-    def _check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> None:
-        """Inside a write transaction: the file still uses the key we hold."""
-        if _read_meta(conn, self.path)["kid"] != sealer.kid:
+    def check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> crypto.Sealer:
+        """Inside a write transaction: the file still uses the key we hold.
+
+        Returns the sealer to write with: `sealer`, or the key reloaded when another
+        process rotated since `sealer` was loaded.
+        """
+        if read_meta(conn, self.path)["kid"] != sealer.kid:
             conn.execute("ROLLBACK")
             fresh = self.sealer(refresh=True)
             conn.execute("BEGIN IMMEDIATE")
-            if _read_meta(conn, self.path)["kid"] != fresh.kid:
+            if read_meta(conn, self.path)["kid"] != fresh.kid:
                 raise VaultBusy(f"{self.path} changed key while this command ran; try again")
+        return self._sealer or sealer
 
     # -- rotation and revocation ----------------------------------------
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
@@ -850,12 +646,11 @@ class Vault:
         cutoff = None if ttl is None else int(time.time()) - ttl
         items = expired = unreadable = 0
         sessions: set[str] = set()
-        with self._connect() as conn:
+        with self.connection() as conn:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute("BEGIN IMMEDIATE")
-            self._check_kid(conn, old)
-            old = self._sealer or old
-            vault_id = _read_meta(conn, self.path)["vault_id"]
+            old = self.check_kid(conn, old)
+            vault_id = read_meta(conn, self.path)["vault_id"]
             # Under the write lock no rotation is in flight, so `.next` is either the
             # file's key from a promotion that was deferred (busy lock) or a dead
             # rotation's leftover. Make the file's key the current entry before `.next`
@@ -867,7 +662,7 @@ class Vault:
             attempted = False
             try:
                 testhooks.failpoint("after-pending")
-                _set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
+                set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
                 last = -1
                 while True:
                     batch = conn.execute(
@@ -896,7 +691,7 @@ class Vault:
                     if progress:
                         progress(len(batch))
                     testhooks.failpoint("in-transaction")
-                _audit(
+                audit(
                     conn,
                     "rotate",
                     new.kid,
@@ -954,9 +749,9 @@ class Vault:
         """
         ks = self.keystore
         ks.check_usable()
-        with self._connect() as conn:
+        with self.connection() as conn:
             conn.execute("BEGIN IMMEDIATE")
-            meta = _read_meta(conn, self.path)
+            meta = read_meta(conn, self.path)
             vault_id = meta["vault_id"]
             kid = meta.get("revoked_kid", meta["kid"])
             current = ks.get(vault_id)
@@ -970,8 +765,8 @@ class Vault:
                 )
             already = "revoked_at" in meta
             if not already:
-                _set_meta(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
-                _audit(conn, "revoke", kid)
+                set_meta(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
+                audit(conn, "revoke", kid)
             conn.execute("COMMIT")
             testhooks.failpoint("revoke-after-mark")
             # Still under the write lock: no rotation can store or promote a key meanwhile.
@@ -999,30 +794,6 @@ class Vault:
                 return False
         return True
 
-    # -- scrubbing ------------------------------------------------------
-    def scrub(self) -> bool:
-        """Checkpoint the WAL (TRUNCATE) and VACUUM so no replaced bytes remain.
-
-        Returns False, leaving `scrub_pending` set for the next open, when another
-        process's read transaction keeps the checkpoint from finishing.
-        """
-        with self._connect(timeout=SCRUB_WAIT) as conn:
-            try:
-                if conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
-                    return False
-                testhooks.failpoint("during-scrub")
-                conn.execute("VACUUM")
-                conn.execute("BEGIN IMMEDIATE")
-                _set_meta(conn, scrub_pending="0")
-                conn.execute("COMMIT")
-                # Old bytes are gone already; this one only empties the WAL of new pages.
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) or "busy" in str(exc):
-                    return False
-                raise
-        return True
-
     def shred(self, progress: Progress | None = None) -> dict[str, Any]:
         return shred(self.path, self._keystore, progress)
 
@@ -1032,65 +803,6 @@ class Vault:
         from .session import make_session
 
         return make_session(self, session_id)
-
-    # -- audit ----------------------------------------------------------
-    def audit_log(self) -> list[dict[str, Any]]:
-        with self._connect() as conn:
-            return [
-                {"at": at, "event": ev, "kid": kid, **json.loads(details)}
-                for at, ev, kid, details in conn.execute(
-                    "SELECT at, event, kid, details FROM memvault_audit ORDER BY id"
-                )
-            ]
-
-
-def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
-    try:
-        meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
-    except sqlite3.OperationalError as exc:
-        if "no such table" in str(exc):
-            raise NotAVault(
-                f"{path} is a SQLite database but not a memvault vault; to encrypt a plaintext "
-                "SQLiteSession file into a vault use `memvault import`"
-            ) from None
-        raise
-    for required in ("format", "vault_id", "kid"):
-        if required not in meta:
-            raise NotAVault(f"{path} lacks the vault's {required}; it is not a usable vault")
-    return meta
-
-
-def parse_ttl(meta: dict[str, str], path: Path) -> int | None:
-    """The vault's TTL in seconds (None: never), or VaultCorrupt for a value no command wrote."""
-    raw = meta.get("ttl_seconds", "never")
-    if raw == "never":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise VaultCorrupt(
-            f"{path} has an invalid TTL {raw[:40]!r} in memvault_meta; nothing was read; "
-            "set it again with `memvault ttl 30d` (or `never`)"
-        )
-    return value
-
-
-def _set_meta(conn: sqlite3.Connection, **values: str) -> None:
-    conn.executemany(
-        "INSERT INTO memvault_meta (key, value) VALUES (?, ?) "
-        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-        values.items(),
-    )
-
-
-def _audit(conn: sqlite3.Connection, event: str, kid: str | None, **details: Any) -> None:
-    conn.execute(
-        "INSERT INTO memvault_audit (at, event, kid, details) VALUES (?, ?, ?, ?)",
-        (utcnow(), event, kid, json.dumps(details, sort_keys=True)),
-    )
-
 
 # --------------------------------------------------------------------------
 # Shred: key first, then rows, then the bytes of every file.
@@ -1131,8 +843,6 @@ class _Damaged(Exception):
     """SQLite cannot read the vault (damaged or truncated): shred it without SQLite."""
 
 
-# Words SQLite uses for a file it cannot parse (as opposed to busy or unwritable).
-_DAMAGE_WORDS = ("malformed", "corrupt", "not a database", "disk image")
 _RAW_VAULT_ID = re.compile(rb"vault_id(mv-[0-9a-f]{24})")
 _RAW_KID = re.compile(rb"(mv1:[0-9a-f]{16})")
 
@@ -1211,7 +921,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
     try:
         conn = connect(path, timeout=SCRUB_WAIT)
     except sqlite3.Error as exc:
-        if any(w in str(exc).lower() for w in _DAMAGE_WORDS):
+        if is_damage(exc):
             raise _Damaged() from exc
         raise translate(exc, path) from exc
     try:
@@ -1223,13 +933,13 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                 try:
                     conn.execute("BEGIN EXCLUSIVE")
                 except sqlite3.OperationalError as exc:
-                    if "locked" in str(exc) or "busy" in str(exc):
+                    if is_busy(exc):
                         raise VaultBusy(
                             f"{path} is in use by another process; close the agents and "
                             "commands using it, then run shred again; nothing was destroyed"
                         ) from None
                     raise
-                meta = _read_meta(conn, path)
+                meta = read_meta(conn, path)
                 vault_id = meta["vault_id"]
                 kid = meta.get("revoked_kid", meta["kid"])
                 report["vault_id"], report["kid"] = vault_id, kid
@@ -1247,7 +957,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                     report["key_destroyed"] = report["foreign_kid"] = None
                     # Recorded before the key goes, so a run cut off after destroying it
                     # says so. In exclusive locking mode the lock outlives this commit.
-                    _set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
+                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
                     conn.execute("COMMIT")
                     conn.execute("BEGIN EXCLUSIVE")
                     wrote_marker = True
@@ -1272,14 +982,14 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                         outcome["key_destroyed"] = True
                     report.update(outcome)
                     testhooks.failpoint("shred-after-key")
-                    _set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
+                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
                 conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
                 conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
                 conn.execute("DELETE FROM memvault_audit")
                 conn.execute("COMMIT")
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.DatabaseError as exc:
-                if any(w in str(exc).lower() for w in _DAMAGE_WORDS):
+                if is_damage(exc):
                     raise _Damaged() from exc
                 raise
     finally:
@@ -1342,9 +1052,9 @@ def shred_target(db: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     Raises NotAVault when there is nothing to shred, before anyone is asked.
     """
     path = paths.resolve_db_path(db)
-    header = _read_header(path)
+    header = read_header(path)
     if not header.startswith((SHRED_MAGIC, SQLITE_MAGIC)):
-        _check_header(path)
+        check_header(path)
     vault_id = None
     if header.startswith(SHRED_MAGIC):
         vault_id = _read_stamp(path).get("vault_id")
@@ -1352,7 +1062,7 @@ def shred_target(db: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         try:
             conn = connect(path, timeout=SCRUB_WAIT)  # as any command would: no trace left
             try:
-                vault_id = _read_meta(conn, path).get("vault_id")
+                vault_id = read_meta(conn, path).get("vault_id")
             finally:
                 conn.close()
         except NotAVault:
@@ -1381,10 +1091,10 @@ def shred(
     or device at a side file's name is unlinked without being followed or opened.
     """
     path = paths.resolve_db_path(db)
-    header = _read_header(path)
+    header = read_header(path)
     report: dict[str, Any] = {"path": str(path), "resumed": False}
     if not header.startswith((SHRED_MAGIC, SQLITE_MAGIC)):
-        _check_header(path)  # not a vault at all: refused, nothing touched
+        check_header(path)  # not a vault at all: refused, nothing touched
     _check_shreddable(path)
     removed = _remove_planted(path)
     if header.startswith(SHRED_MAGIC):
@@ -1394,7 +1104,7 @@ def shred(
     else:
         try:
             try:
-                _check_header(path)
+                check_header(path)
             except VaultCorrupt:
                 raise _Damaged() from None
             _shred_rows(path, keystore, report)
