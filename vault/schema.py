@@ -23,7 +23,7 @@ SHRED_MAGIC = b"memvault-shred\x00\x00"
 
 def utcnow() -> str:
     """The one timestamp format of the file (meta, audit, migrations): UTC, to the second."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # Migrations: applied in this order, each recorded once by name.
