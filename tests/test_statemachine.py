@@ -137,7 +137,7 @@ class VaultMachine(RuleBasedStateMachine):
             return
         rows = self.model[sid]
         expected = [item for item, _ in reversed(rows[-n:])]  # newest first, expired too
-        assert self.vault.pop(sid, n) == expected
+        assert self.vault.pop(sid, n).items == expected
         del rows[max(0, len(rows) - n):]
 
     @rule(sid=SESSIONS)
@@ -146,7 +146,7 @@ class VaultMachine(RuleBasedStateMachine):
             with pytest.raises(UnknownSession):
                 self.vault.clear(sid)
             return
-        assert self.vault.clear(sid) == len(self.model.pop(sid))
+        assert self.vault.clear(sid).deleted == len(self.model.pop(sid))
 
     @rule()
     def purge(self) -> None:

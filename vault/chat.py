@@ -160,7 +160,7 @@ class Chat:
             if n == 0:
                 self.say("nothing to undo")
                 return True
-            popped = await asyncio.to_thread(self.vault.pop, self.session_id, n)
+            popped = (await asyncio.to_thread(self.vault.pop, self.session_id, n)).items
             oldest = popped[-1] if popped else None
             if _role(oldest) != "user":
                 self.say(f"warning: removed {len(popped)} item(s), but the oldest was not your "
@@ -170,7 +170,7 @@ class Chat:
             return True
         if name == "/clear":
             try:
-                n = await asyncio.to_thread(self.vault.clear, self.session_id)
+                n = (await asyncio.to_thread(self.vault.clear, self.session_id)).deleted
             except UnknownSession:
                 n = 0
             self.say(f"cleared session {self.session_id} ({n} item(s) deleted)")

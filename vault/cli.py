@@ -162,12 +162,12 @@ def _bar(length: int, label: str) -> Iterator[Any]:
         yield bar
 
 
-def check_scrub(vault: Vault) -> None:
+def check_scrub(scrubbed: bool) -> None:
     """After the result is printed: exit 5 if old bytes may still be in the files.
 
     The change itself is committed; the next memvault command finishes the scrub.
     """
-    if vault.scrub_incomplete:
+    if not scrubbed:
         raise VaultBusy(
             "the change is committed, but the scrub is incomplete: another process holds a "
             "read transaction, so replaced ciphertext may remain in the WAL; the next memvault "
@@ -468,12 +468,13 @@ def pop(session_id: str, count: int) -> None:
       memvault pop carnet-local -n 2
     """
     vault = open_vault()
-    popped = vault.pop(session_id, count)
+    result = vault.pop(session_id, count)
+    popped = result.items
     emit(
         {"session_id": session_id, "popped": popped},
         lambda: click.echo(f"removed {plural(len(popped), 'item')} from {session_id}"),
     )
-    check_scrub(vault)
+    check_scrub(result.scrubbed)
 
 
 @cli.command()
@@ -498,21 +499,21 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
     vault = open_vault()
     vault.sealer()  # fail on the key before asking anything
     confirm(f"Delete every item of session {session_id!r}?", yes)
-    n = vault.clear(session_id, include_unreadable=include_unreadable)
-    bad = vault.cleared_unreadable
+    result = vault.clear(session_id, include_unreadable=include_unreadable)
+    n, bad = result.deleted, result.unreadable_deleted
     emit(
         {
             "session_id": session_id,
             "deleted": n,
             "unreadable_deleted": bad,
-            "scrubbed": not vault.scrub_incomplete,
+            "scrubbed": result.scrubbed,
         },
         lambda: click.echo(
             f"cleared {session_id}: {n} item(s) deleted"
             + (f", {bad} of them unreadable" if bad else "")
         ),
     )
-    check_scrub(vault)
+    check_scrub(result.scrubbed)
 
 
 @cli.command()
@@ -572,7 +573,7 @@ def purge(yes: bool) -> None:
             )
         ),
     )
-    check_scrub(vault)
+    check_scrub(report.scrubbed)
 
 
 def _count(vault: Vault) -> int:
@@ -605,7 +606,7 @@ def rotate() -> None:
             "  older recovery kits no longer match: run `memvault key export` again"
         ),
     )
-    check_scrub(vault)
+    check_scrub(report.scrubbed)
 
 
 

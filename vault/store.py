@@ -17,7 +17,6 @@ import sqlite3
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +53,7 @@ from .errors import (
     VaultExists,
 )
 from .keys import KeyStore, require_key
+from .results import Cleared, Popped, Report, SessionInfo
 from .schema import (
     DEFAULT_TTL,
     FORMAT,
@@ -86,27 +86,6 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------
 # The vault
 # --------------------------------------------------------------------------
-@dataclass
-class SessionInfo:
-    session_id: str
-    items: int
-    readable: int = 0
-    expired: int = 0
-    unreadable: int = 0
-    updated_at: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class Report:
-    """What a long operation did, for the CLI to print or dump as JSON."""
-
-    counts: dict[str, Any] = field(default_factory=dict)
-    scrubbed: bool = True
-
-
 class Vault(VaultFile):
     """The library object behind every command. Open with `Vault.open` or `Vault.init`."""
 
@@ -115,8 +94,6 @@ class Vault(VaultFile):
         self._keystore = keystore
         self._sealer: crypto.Sealer | None = None
         self._rotation_committed = False  # read when Ctrl-C interrupts a rotation
-        self.scrub_incomplete = False
-        self.cleared_unreadable = 0
 
     # -- construction ---------------------------------------------------
     @classmethod
@@ -225,8 +202,9 @@ class Vault(VaultFile):
             with vault.write_transaction() as conn:
                 migrate(conn)  # applies only what another process has not applied meanwhile
         if meta.get("scrub_pending") == "1" and "revoked_at" not in meta:
-            # A rotation, purge or clear was cut off before its scrub: finish it now.
-            vault.scrub_incomplete = not vault.scrub()
+            # A rotation, purge or clear was cut off before its scrub: finish it now. If a
+            # reader keeps it from finishing, `scrub_pending` stays set for the next open.
+            vault.scrub()
         return vault
 
     @property
@@ -488,7 +466,7 @@ class Vault(VaultFile):
         return out
 
     # -- changing -------------------------------------------------------
-    def pop(self, session_id: str, n: int = 1) -> list[Any]:
+    def pop(self, session_id: str, n: int = 1) -> Popped:
         """Remove the newest `n` items; refuses if one of them does not authenticate."""
         if n <= 0:
             raise OperationFailed("the number of items to pop must be positive")
@@ -512,15 +490,14 @@ class Vault(VaultFile):
                 popped.append(opened.item)
             conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in rows])
             set_meta(conn, scrub_pending="1")
-        self.scrub_incomplete = not self.scrub()
-        return popped
+        return Popped(popped, self.scrub())
 
-    def clear(self, session_id: str, include_unreadable: bool = False) -> int:
+    def clear(self, session_id: str, include_unreadable: bool = False) -> Cleared:
         """Empty one session (rows zeroed by secure_delete, WAL checkpointed).
 
         Items that do not authenticate (tampered, corrupt, under another key) are
         evidence, not history: the session is left whole, with ItemsUnreadable, unless
-        `include_unreadable`. `cleared_unreadable` tells how many of those went.
+        `include_unreadable`; the result tells how many of those went.
         """
         sealer = self.sealer()
         with self.write_transaction() as conn:
@@ -546,9 +523,7 @@ class Vault(VaultFile):
             conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = ?", (session_id,))
             set_meta(conn, scrub_pending="1")
             audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
-        self.cleared_unreadable = unreadable
-        self.scrub_incomplete = not self.scrub()
-        return n
+        return Cleared(n, unreadable, self.scrub())
 
     def scrub_after_delete(self) -> bool:
         """Scrub after rows were deleted elsewhere (the agent session's pop).
@@ -558,8 +533,7 @@ class Vault(VaultFile):
         """
         with self.write_transaction() as conn:
             set_meta(conn, scrub_pending="1")
-        self.scrub_incomplete = not self.scrub()
-        return not self.scrub_incomplete
+        return self.scrub()
 
     def set_ttl(self, ttl: int | None) -> None:
         sealer = self.sealer()
@@ -597,7 +571,6 @@ class Vault(VaultFile):
                 set_meta(conn, scrub_pending="1")
             audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)
         scrubbed = self.scrub() if deleted else True
-        self.scrub_incomplete = not scrubbed
         return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed)
 
     def check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> crypto.Sealer:
@@ -724,7 +697,6 @@ class Vault(VaultFile):
         if not promoted:
             self.sealer(refresh=True)  # revoked meanwhile: KeyRevoked; else the newer key
         scrubbed = self.scrub() if scrub else False
-        self.scrub_incomplete = not scrubbed
         return Report(
             {
                 "sessions": len(sessions),
