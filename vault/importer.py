@@ -45,8 +45,9 @@ from typing import Any
 from . import crypto, files, paths, testhooks
 from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession, VaultBusy
+from .files import Progress
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
-from .store import Progress, Vault
+from .store import Vault
 
 SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
 MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")
