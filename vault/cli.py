@@ -670,7 +670,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
       memvault shred --yes --receipt shred-receipt.json
     """
     from .files import check_new_file, write_private
-    from .store import _regular_files, shred_target
+    from .shred import regular_files, shred_target
 
     target = shred_target(state().db)  # no vault, nothing asked (exit 3)
     path = target["path"]
@@ -678,7 +678,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
         check_new_file(receipt, "receipt")
     named = f" {target['vault_id']}" if target["vault_id"] else ""
     confirm(f"Destroy the vault{named} at {path}, its key and its files?", yes)
-    size = sum(n for _, n in _regular_files(path))
+    size = sum(n for _, n in regular_files(path))
     with _bar(size, "overwriting") as bar:
 
         def resize(total: int) -> None:

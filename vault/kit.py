@@ -238,7 +238,7 @@ def check_kdf_cost(n: int, r: int, p: int, path: Path) -> None:
         )
 
 
-def write_private(path: str | os.PathLike[str], text: str, force: bool = False) -> Path:
+def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False) -> Path:
     """Create `path` 0600 with `text`, fsynced; never follows or clobbers an existing file
     unless `force`, and then replaces it atomically (a new 0600 file renamed over it)."""
     target = Path(path)
@@ -271,7 +271,7 @@ def export_kit(
     sealer = vault.sealer()  # a working key, checked against the file
     vault_id = vault.vault_id
     kit = seal(sealer.master_key, vault_id, passphrase)
-    target = write_private(path, kit.to_json(), force=force)
+    target = write_kit_file(path, kit.to_json(), force=force)
     vault.record("key-export", kit.kid, kit_version=KIT_VERSION, kdf="scrypt")
     return {"path": str(target), "vault_id": vault_id, "kid": kit.kid,
             "created_at": kit.created_at}
