@@ -143,7 +143,8 @@ class Vault(KeyLifecycle):
             ks.set(vault_id, key)
             vault = cls(path, ks)
             with vault.connection() as conn:
-                conn.execute("PRAGMA journal_mode = WAL")  # persistent: set once, outside
+                # Kept by the file; SQLite refuses to change it inside a transaction.
+                conn.execute("PRAGMA journal_mode = WAL")
             with vault.write_transaction() as conn:
                 migrate(conn)
                 now = utcnow()
