@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from . import __version__, crypto
+from . import __version__, durations
 from .errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -179,7 +179,7 @@ def duration(_ctx: click.Context | None, _param: click.Parameter | None, value: 
     if value is None:
         return None
     try:
-        return ("set", crypto.parse_duration(value))
+        return ("set", durations.parse_duration(value))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -322,7 +322,7 @@ def init(ttl: Any) -> None:
         "path": str(vault.path),
         "vault_id": meta["vault_id"],
         "kid": meta["kid"],
-        "ttl": crypto.format_duration(seconds),
+        "ttl": durations.format_duration(seconds),
         "keyring": vault.keystore.name,
     }
     emit(
@@ -436,7 +436,7 @@ def show(session_id: str, limit: int | None) -> None:
         if expired:  # otherwise a session of expired items would print nothing at all
             click.echo(
                 f"{plural(expired, 'expired item')} hidden by the TTL "
-                f"({crypto.format_duration(vault.ttl)}); `memvault purge` deletes them"
+                f"({durations.format_duration(vault.ttl)}); `memvault purge` deletes them"
             )
 
     data = {"session_id": session_id, "items": items, "expired": expired, "unreadable": unreadable}
@@ -531,7 +531,7 @@ def ttl(value: Any) -> None:
     vault.sealer()  # a revoked or missing key fails here, as every keyed command does
     if value is not None:
         vault.set_ttl(value[1])
-    text = crypto.format_duration(vault.ttl)
+    text = durations.format_duration(vault.ttl)
     emit(
         {"ttl": text, "ttl_seconds": vault.ttl},
         lambda: click.echo(f"ttl {text}" + (" (set)" if value is not None else "")),
@@ -744,7 +744,7 @@ def _ttl_text(value: Any) -> Any:
     if value is None or value == "never":
         return value
     try:
-        return crypto.format_duration(int(value))
+        return durations.format_duration(int(value))
     except (TypeError, ValueError):
         return value  # a value an older version wrote: shown as it is
 
