@@ -16,7 +16,7 @@ from agents.testing import ScriptedModel, assistant_message
 
 import vault as vault_pkg
 from tests.conftest import add_items, assistant, rows, user
-from vault import crypto
+from vault import crypto, durations
 
 
 def test_open_session_is_the_sdks_encrypted_session(vault: Any, vault_db: Path) -> None:
@@ -130,12 +130,12 @@ def test_expired_items_are_skipped_by_the_session(vault: Any, vault_db: Path) ->
     ],
 )
 def test_durations(text: str, seconds: int | None) -> None:
-    assert crypto.parse_duration(text) == seconds
+    assert durations.parse_duration(text) == seconds
     if seconds is not None:
-        assert crypto.parse_duration(crypto.format_duration(seconds)) == seconds
+        assert durations.parse_duration(durations.format_duration(seconds)) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "abc", "5x", "-1", "0", "1.5h", "99999999d"])
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ValueError):
-        crypto.parse_duration(text)
+        durations.parse_duration(text)

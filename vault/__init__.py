@@ -11,6 +11,7 @@ is opened.
 from __future__ import annotations
 
 import os
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from .errors import VaultError
@@ -20,7 +21,11 @@ if TYPE_CHECKING:
     from .session import VaultSession
 
 __all__ = ["Vault", "VaultError", "open_session", "__version__"]
-__version__ = "0.1.0"
+try:
+    # One source for the version: pyproject.toml, through the installed metadata.
+    __version__ = version("memvault")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def open_session(session_id: str, db_path: str | os.PathLike[str] | None = None) -> VaultSession:

@@ -18,7 +18,6 @@ import enum
 import hashlib
 import hmac
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,9 @@ from typing import Any
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+# Re-exported for store.py, which still calls `crypto.format_duration`.
+from .durations import format_duration as format_duration  # noqa: F401
 
 ENVELOPE_VERSION = 1
 # The SDK's HKDF `info`: changing it would make vault items unreadable by the SDK.
@@ -204,24 +206,17 @@ class Sealer:
         return ItemState.READABLE
 
 
-def rotate_row(old: Sealer, new: Sealer, session_id: str, message_data: str) -> str | None:
-    """Re-encrypt one row under the new key, keeping the token's timestamp.
-
-    `MultiFernet.rotate` decrypts with any of the keys and re-encrypts with the
-    first while preserving the original timestamp, so rotation never extends an
-    item's life. Returns None when the row does not authenticate under the old key.
-    """
-    rotated = rotate_row_stamped(old, new, session_id, message_data)
-    return None if rotated is None else rotated[0]
-
-
 def rotate_row_stamped(
     old: Sealer, new: Sealer, session_id: str, message_data: str
 ) -> tuple[str, int] | None:
-    """`rotate_row`, plus the token's timestamp (authenticated, kept by the rotation).
+    """Re-encrypt one row under the new key; return it with the token's timestamp.
 
-    Read from the new token's first 9 bytes, so that a caller counting expired
-    items does not parse the row it has just built a second time.
+    `MultiFernet.rotate` decrypts with any of the keys and re-encrypts with the
+    first while preserving the original timestamp, so rotation never extends an
+    item's life. The timestamp (authenticated, kept by the rotation) is read from
+    the new token's first 9 bytes, so that a caller counting expired items does
+    not parse the row it has just built a second time. Returns None when the row
+    does not authenticate under the old key.
     """
     env = parse_envelope(message_data)
     if env is None:
@@ -248,35 +243,3 @@ def token_timestamp(message_data: str) -> int | None:
     except (binascii.Error, ValueError):
         return None
     return int.from_bytes(raw[1:9], "big") if len(raw) >= 9 else None
-
-
-_DURATION = re.compile(r"^\s*(\d+)\s*([smhdw]?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-MAX_TTL = 100 * 365 * 86400
-
-
-def parse_duration(text: str) -> int | None:
-    """`90s`, `15m`, `12h`, `30d`, `2w`, plain seconds, or `never` (None)."""
-    if text.strip().lower() == "never":
-        return None
-    m = _DURATION.match(text)
-    if not m:
-        raise ValueError(
-            f"{text!r} is not a duration; use e.g. 90s, 15m, 12h, 30d, 2w, a number of seconds, "
-            "or never"
-        )
-    seconds = int(m.group(1)) * _UNITS[m.group(2).lower()]
-    if seconds <= 0:
-        raise ValueError(f"{text!r} is not a positive duration; use at least 1s, or never")
-    if seconds > MAX_TTL:
-        raise ValueError(f"{text!r} is longer than 100 years; use never for no expiry")
-    return seconds
-
-
-def format_duration(seconds: int | None) -> str:
-    if seconds is None:
-        return "never"
-    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"

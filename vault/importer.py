@@ -37,83 +37,34 @@ import hashlib
 import json
 import os
 import sqlite3
-import urllib.parse
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import crypto, files, paths, testhooks
 from .db import audit
-from .errors import BadInput, OperationFailed, UnknownSession, VaultBusy
+from .errors import BadInput, OperationFailed, UnknownSession
 from .files import Progress
+from .import_source import (
+    INTERNAL_TABLES,
+    NotUTF8,
+    Plan,
+    SourceSession,
+    find_pair,
+    is_text,
+    list_tables,
+    open_source,
+    quote_name,
+)
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
 from .store import Vault
 
-SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
-MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")
-# Tables SQLite itself keeps; they are not the user's data.
-_INTERNAL_TABLES = ("sqlite_sequence", "sqlite_stat1", "sqlite_stat2", "sqlite_stat3",
-                    "sqlite_stat4")
 BATCH = 500
-# How long the exclusive lock on the source may be waited for (--shred-source).
-SOURCE_LOCK_WAIT = 2.0
-
-
-class _NotUTF8(ValueError):
-    """A TEXT value of the source that is not valid UTF-8 (raised by the text factory)."""
-
-
-def _strict_text(raw: bytes) -> str:
-    # SQLiteSession writes UTF-8 only; anything else was altered or written by another
-    # tool, and would fail later, half-way, as an encoding error.
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _NotUTF8() from None
-
-
-def _is_text(value: str) -> bool:
-    """False for a string holding a lone surrogate (not encodable as UTF-8)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _q(name: str) -> str:
-    """Quote an SQL identifier (custom table names come from the source file)."""
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _digest_update(h: Any, item: Any) -> None:
     h.update(json.dumps(item, sort_keys=True, ensure_ascii=False, separators=(",", ":"),
                         default=str).encode("utf-8"))
     h.update(b"\n")
-
-
-@dataclass
-class SourceSession:
-    session_id: str
-    items: int
-    created_at: str | None = None
-    updated_at: str | None = None
-
-
-@dataclass
-class Plan:
-    """What an import will do; built and checked before anything is written."""
-
-    source: Path
-    sessions_table: str
-    messages_table: str
-    sessions: list[SourceSession]
-    other_tables: list[str] = field(default_factory=list)
-    shred_source: bool = False
-
-    @property
-    def total_items(self) -> int:
-        return sum(s.items for s in self.sessions)
 
 
 class Importer:
@@ -139,7 +90,7 @@ class Importer:
         self.shred_source = shred_source
         self._conn: sqlite3.Connection | None = None
         self._check_file()
-        self._conn = self._open_source()
+        self._conn = open_source(self.source, self.shred_source)
         try:
             self.plan = self._inspect(sessions_table, messages_table)
         except BaseException:
@@ -199,148 +150,31 @@ class Importer:
                 "nothing was imported"
             )
 
-    def _open_source(self) -> sqlite3.Connection:
-        src = self.source
-        uri = "file:" + urllib.parse.quote(str(src)) + ("?mode=rw" if self.shred_source
-                                                         else "?mode=ro")
-        try:
-            conn = sqlite3.connect(uri, uri=True, isolation_level=None,
-                                   timeout=SOURCE_LOCK_WAIT, check_same_thread=False)
-        except sqlite3.Error as exc:
-            raise OperationFailed(f"cannot open {src} ({exc}); nothing was imported") from None
-        conn.text_factory = _strict_text
-        try:
-            if self.shred_source:
-                conn.execute("PRAGMA secure_delete = ON")
-                # Held until close, and refused while any other connection has the file
-                # open: nothing can be added between the read and the destruction.
-                conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-                conn.execute("BEGIN EXCLUSIVE")
-            else:
-                conn.execute("BEGIN")  # one snapshot for the inspection and the copy
-            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.Error as exc:
-            conn.close()
-            low = str(exc).lower()
-            if "locked" in low or "busy" in low:
-                raise VaultBusy(
-                    f"{src} is in use by another process (an agent still writing to it?); close "
-                    "it and run the import again; nothing was imported"
-                ) from None
-            if "not a database" in low:
-                raise OperationFailed(
-                    f"{src} is not a SQLite database, so it is not a SQLiteSession file; "
-                    "nothing was imported"
-                ) from None
-            raise OperationFailed(f"cannot read {src} ({exc}); nothing was imported") from None
-        return conn
-
-    def _columns(self, table: str) -> list[tuple[str, int]]:
-        return [(r[1], r[5]) for r in self.conn.execute(f"PRAGMA table_info({_q(table)})")]
-
-    def _is_sessions_table(self, table: str) -> bool:
-        cols = self._columns(table)
-        return sorted(c for c, _ in cols) == sorted(SESSION_COLUMNS) and (
-            "session_id", 1) in cols
-
-    def _is_messages_table(self, table: str) -> bool:
-        cols = self._columns(table)
-        return sorted(c for c, _ in cols) == sorted(MESSAGE_COLUMNS) and ("id", 1) in cols
-
-    def _references(self, messages: str) -> list[str]:
-        return [r[2] for r in self.conn.execute(f"PRAGMA foreign_key_list({_q(messages)})")
-                if r[3] == "session_id"]
-
-    def _tables(self) -> list[str]:
-        return [r[0] for r in self.conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
-
-    def _find_pair(
-        self, tables: list[str], sessions_table: str | None, messages_table: str | None
-    ) -> tuple[str, str]:
-        src = self.source
-        for given, kind, check in (
-            (sessions_table, "sessions", self._is_sessions_table),
-            (messages_table, "messages", self._is_messages_table),
-        ):
-            if given is None:
-                continue
-            if given not in tables:
-                raise OperationFailed(
-                    f"{src} has no table {given!r} (its tables: {', '.join(tables) or 'none'}); "
-                    "nothing was imported"
-                )
-            if not check(given):
-                raise OperationFailed(
-                    f"table {given!r} of {src} does not have the columns of a SQLiteSession "
-                    f"{kind} table; nothing was imported"
-                )
-        session_tables = {t for t in tables if self._is_sessions_table(t)}
-        pairs = [
-            (ref, m)
-            for m in tables
-            if self._is_messages_table(m)
-            for ref in self._references(m)
-            if ref in session_tables
-        ]
-        if sessions_table and messages_table:
-            return sessions_table, messages_table
-        if sessions_table:
-            pairs = [p for p in pairs if p[0] == sessions_table]
-        if messages_table:
-            pairs = [p for p in pairs if p[1] == messages_table]
-            if not pairs:
-                raise OperationFailed(
-                    f"table {messages_table!r} of {src} does not reference a sessions table; "
-                    "name it with --sessions-table; nothing was imported"
-                )
-        if not pairs:
-            if sessions_table:
-                raise OperationFailed(
-                    f"no messages table of {src} references {sessions_table!r}; name it with "
-                    "--messages-table; nothing was imported"
-                )
-            if {"memvault_meta", MESSAGES_TABLE} <= set(tables):
-                raise OperationFailed(
-                    f"{src} is a memvault vault, not a plaintext SQLiteSession file; "
-                    "nothing was imported"
-                )
-            raise OperationFailed(
-                f"{src} is a SQLite database but not a SQLiteSession file: no pair of tables "
-                "has the SDK's sessions/messages columns (name custom tables with "
-                "--sessions-table and --messages-table); nothing was imported"
-            )
-        if len(pairs) > 1:
-            names = ", ".join(f"{s}/{m}" for s, m in pairs)
-            raise OperationFailed(
-                f"{src} holds several SQLiteSession table pairs ({names}); choose one with "
-                "--sessions-table and --messages-table; nothing was imported"
-            )
-        return pairs[0]
-
     def _inspect(self, sessions_table: str | None, messages_table: str | None) -> Plan:
         src = self.source
-        tables = self._tables()
+        tables = list_tables(self.conn)
         if "memvault_meta" in tables:
             raise OperationFailed(
                 f"{src} is a memvault vault, not a plaintext SQLiteSession file; "
                 "nothing was imported"
             )
-        s_tab, m_tab = self._find_pair(tables, sessions_table, messages_table)
+        s_tab, m_tab = find_pair(self.conn, src, tables, sessions_table, messages_table)
         try:
             counts = dict(self.conn.execute(
-                f"SELECT session_id, count(*) FROM {_q(m_tab)} GROUP BY session_id").fetchall())
+                f"SELECT session_id, count(*) FROM {quote_name(m_tab)} GROUP BY session_id"
+            ).fetchall())
             listed = self.conn.execute(
-                f"SELECT session_id, created_at, updated_at FROM {_q(s_tab)} ORDER BY session_id"
+                f"SELECT session_id, created_at, updated_at FROM {quote_name(s_tab)} "
+                "ORDER BY session_id"
             ).fetchall()
-        except _NotUTF8:
+        except NotUTF8:
             raise OperationFailed(
                 f"a session id (or timestamp) in {src} is not valid UTF-8 text, which "
                 "SQLiteSession never writes; repair or delete that session; nothing was imported"
             ) from None
         sessions: dict[str, SourceSession] = {}
         for sid, created, updated in listed:
-            if isinstance(sid, str) and not _is_text(sid):
+            if isinstance(sid, str) and not is_text(sid):
                 raise OperationFailed(
                     f"a session id in {src} holds a lone surrogate, which is not valid "
                     "Unicode text; repair or delete that session; nothing was imported"
@@ -357,7 +191,7 @@ class Importer:
                     f"no session {self.session_id!r} in {src} (its sessions: {have}); "
                     "nothing was imported"
                 )
-        other_tables = [t for t in tables if t not in (s_tab, m_tab, *_INTERNAL_TABLES)]
+        other_tables = [t for t in tables if t not in (s_tab, m_tab, *INTERNAL_TABLES)]
         plan = Plan(src, s_tab, m_tab, chosen, other_tables, self.shred_source)
         self._check_contents(plan)
         self._check_vault(plan)
@@ -370,11 +204,11 @@ class Importer:
         for s in plan.sessions:
             try:
                 found = self.conn.execute(
-                    f"SELECT id, message_data FROM {_q(plan.messages_table)} "
+                    f"SELECT id, message_data FROM {quote_name(plan.messages_table)} "
                     "WHERE session_id = ? ORDER BY id",
                     (s.session_id,),
                 ).fetchall()
-            except _NotUTF8:
+            except NotUTF8:
                 raise OperationFailed(
                     f"an item of session {s.session_id!r} in {plan.source} is not valid UTF-8 "
                     "text, which SQLiteSession never writes; repair or delete that row; "
@@ -400,7 +234,7 @@ class Importer:
             ) from None
         # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but not text that can
         # be sealed (UTF-8) or given back to the SDK.
-        if not _is_text(json.dumps(item, ensure_ascii=False)):
+        if not is_text(json.dumps(item, ensure_ascii=False)):
             raise OperationFailed(
                 f"row {row_id} of session {session_id!r} in {plan.source} "
                 f"({plan.messages_table}) holds a lone surrogate, which is not valid Unicode "
@@ -474,7 +308,7 @@ class Importer:
 
     def _source_rows(self, s: SourceSession) -> sqlite3.Cursor:
         return self.conn.execute(
-            f"SELECT id, message_data, created_at FROM {_q(self.plan.messages_table)} "
+            f"SELECT id, message_data, created_at FROM {quote_name(self.plan.messages_table)} "
             "WHERE session_id = ? ORDER BY id",
             (s.session_id,),
         )
@@ -557,8 +391,8 @@ class Importer:
         conn = self.conn
         try:
             testhooks.failpoint("import-before-source-shred")
-            rows = conn.execute(f"DELETE FROM {_q(plan.messages_table)}").rowcount
-            conn.execute(f"DELETE FROM {_q(plan.sessions_table)}")
+            rows = conn.execute(f"DELETE FROM {quote_name(plan.messages_table)}").rowcount
+            conn.execute(f"DELETE FROM {quote_name(plan.sessions_table)}")
             conn.execute("COMMIT")
             # Copy the zeroed pages into the database without truncating the WAL: its
             # older frames (plaintext) are overwritten below, not merely released.

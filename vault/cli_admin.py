@@ -1,0 +1,201 @@
+"""`memvault` commands that rewrite or destroy: purge, rotate, revoke and shred."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from .cli import (
+    check_scrub,
+    cli,
+    common,
+    confirm,
+    emit,
+    open_vault,
+    plural,
+    progress,
+    progress_bar,
+    state,
+)
+from .errors import OperationFailed
+from .store import Vault, shred
+
+
+@cli.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def purge(yes: bool) -> None:
+    """Physically delete items past the TTL (only items that authenticate).
+
+    \b
+    Example:
+      memvault purge --yes
+    """
+    vault = open_vault()
+    vault.sealer()
+    if not yes:
+        expired = sum(s.expired for s in vault.sessions())
+        if expired:  # with nothing to delete there is nothing to ask
+            confirm(
+                f"Delete the {plural(expired, 'expired item')} of the vault {vault.path} "
+                "for good?",
+                yes,
+            )
+    with progress(_count(vault), "purging") as bar:
+        report = vault.purge(progress=bar)
+    emit(
+        {**report.counts, "scrubbed": report.scrubbed},
+        lambda: click.echo(
+            f"purged {plural(report.counts['deleted'], 'expired item')}; kept "
+            f"{plural(report.counts['kept'], 'item')}"
+            + (
+                f"; {plural(report.counts['unreadable'], 'unreadable item')} left untouched"
+                if report.counts["unreadable"]
+                else ""
+            )
+        ),
+    )
+    check_scrub(report.scrubbed)
+
+
+def _count(vault: Vault) -> int:
+    return vault.count_items()
+
+
+@cli.command()
+@common
+def rotate() -> None:
+    """Replace the key: re-encrypt every item, keep timestamps, scrub old bytes.
+
+    Older recovery kits stop working after a rotation: export a new one.
+
+    \b
+    Example:
+      memvault rotate --json
+    """
+    vault = open_vault()
+    vault.sealer()
+    with progress(_count(vault), "rotating") as bar:
+        report = vault.rotate(progress=bar)
+    c = report.counts
+    emit(
+        c,
+        lambda: click.echo(
+            f"rotated {plural(c['items'], 'item')} in {plural(c['sessions'], 'session')} "
+            f"in {c['seconds']}s\n"
+            f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
+            f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
+            "  older recovery kits no longer match: run `memvault key export` again"
+        ),
+    )
+    check_scrub(report.scrubbed)
+
+
+@cli.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def revoke(yes: bool) -> None:
+    """Destroy the key. The file stays, unreadable for ever (cryptographic erase).
+
+    \b
+    Example:
+      memvault revoke --yes && memvault shred --yes
+    """
+    vault = open_vault()
+    confirm(
+        f"Destroy the key of the vault {vault.path}? Its history can never be read again",
+        yes,
+    )
+    r = vault.revoke()
+
+    def human() -> None:
+        if r["already_revoked"]:
+            finished = "; removed the key a cut-off revoke had left" if r["key_destroyed"] else ""
+            click.echo(
+                f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
+                "`memvault shred` removes the file"
+            )
+            return
+        click.echo(
+            f"revoked key {r['kid']} of vault {r['vault_id']}; the file stays, unreadable; "
+            "`memvault shred` removes it; recovery kits are useless now"
+        )
+
+    emit(r, human)
+
+
+@cli.command("shred")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--receipt",
+    metavar="FILE",
+    help="Write a JSON record of what was destroyed to FILE, a new file (mode 0600).",
+)
+@common
+def shred_cmd(yes: bool, receipt: str | None) -> None:
+    """Destroy the key, the rows and the files (database, -wal, -shm, -journal).
+
+    Works without the key, and on a damaged file SQLite cannot read (then only
+    the keys its bytes still name can be destroyed; the report says so). Only
+    regular files are overwritten: a symbolic link, FIFO or device at a side
+    file's name is removed without being followed. On SSDs and copy-on-write
+    filesystems overwriting is not a guarantee; destroying the key is (see
+    SECURITY.md).
+
+    --receipt FILE must name a new file in an existing, writable folder: an
+    existing file or link is never replaced. It is checked before anything is
+    destroyed (exit 2 if unusable).
+
+    \b
+    Example:
+      memvault shred --yes --receipt shred-receipt.json
+    """
+    from .files import check_new_file, write_private
+    from .shred import regular_files, shred_target
+
+    target = shred_target(state().db)  # no vault, nothing asked (exit 3)
+    path = target["path"]
+    if receipt is not None:
+        check_new_file(receipt, "receipt")
+    named = f" {target['vault_id']}" if target["vault_id"] else ""
+    confirm(f"Destroy the vault{named} at {path}, its key and its files?", yes)
+    size = sum(n for _, n in regular_files(path))
+    with progress_bar(size, "overwriting") as bar:
+
+        def resize(total: int) -> None:
+            bar.length = max(total, 1)  # the checkpoint may have emptied the WAL
+
+        r = shred(path, progress=bar.update if bar else None, on_total=resize if bar else None)
+    failure = None
+    if receipt is not None:
+        try:
+            write_private(receipt, (json.dumps(r, indent=2, sort_keys=True) + "\n").encode())
+        except OSError as exc:
+            failure = (
+                f"the vault was shredded, but the receipt {receipt} could not be written "
+                f"({exc.strerror}); keep the summary printed above instead"
+            )
+    emit(r, lambda: click.echo(_shred_summary(r)))
+    if failure:
+        raise OperationFailed(failure)
+
+
+def _shred_summary(r: dict[str, Any]) -> str:
+    def one(f: dict[str, Any]) -> str:
+        if f.get("kind", "file") == "file":
+            return f"{f['name']} ({f['size']} bytes)"
+        return f"{f['name']} ({f['kind']} removed, not followed)"
+
+    if r.get("items") is None:
+        counts = "damaged file, contents not counted"
+    else:
+        counts = f"{r['items']} item(s) in {r['sessions']} session(s)"
+    key = "destroyed" if r.get("key_destroyed") else "already gone"
+    if r.get("key_problem"):
+        key = f"not destroyed: {r['key_problem']}"
+    return (
+        f"shredded {r['path']}: {counts}; key {key}; files "
+        + ", ".join(one(f) for f in r["files"])
+    )

@@ -1,0 +1,302 @@
+"""`memvault` commands on the history and its lifetime: init, status, sessions,
+show, pop, clear, ttl and the audit log.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from . import durations
+from .cli import (
+    MAX_COUNT,
+    SESSION,
+    check_scrub,
+    cli,
+    common,
+    confirm,
+    duration,
+    emit,
+    iso_utc,
+    open_vault,
+    plural,
+    state,
+)
+from .errors import VaultError
+from .store import DEFAULT_TTL, Vault
+
+
+@cli.command()
+@click.option(
+    "--ttl",
+    "ttl",
+    callback=duration,
+    metavar="DURATION",
+    help="How long items stay readable: 90s, 15m, 12h, 30d, 2w, seconds, or never (default 30d).",
+)
+@common
+def init(ttl: Any) -> None:
+    """Create the vault file and its random key in the OS keyring.
+
+    Refuses, changing nothing, if a vault (or any file) is already there.
+
+    \b
+    Example:
+      memvault init --ttl 7d
+    """
+    seconds = DEFAULT_TTL if ttl is None else ttl[1]
+    vault = Vault.init(state().db, ttl=seconds)
+    meta = vault.meta()
+    data = {
+        "path": str(vault.path),
+        "vault_id": meta["vault_id"],
+        "kid": meta["kid"],
+        "ttl": durations.format_duration(seconds),
+        "keyring": vault.keystore.name,
+    }
+    emit(
+        data,
+        lambda: click.echo(
+            f"created vault {data['path']}\n"
+            f"  key id  {data['kid']} (key stored in {data['keyring']})\n"
+            f"  ttl     {data['ttl']}"
+        ),
+    )
+
+
+@cli.command()
+@common
+def status() -> None:
+    """Path, size, permissions, keyring, key state, TTL and item counts.
+
+    \b
+    Example:
+      memvault status --json
+    """
+    st = open_vault().status()
+
+    def human() -> None:
+        click.echo(f"vault      {st['path']}  ({st['size']} bytes)")
+        click.echo(f"folder     mode {st['folder_mode']}")
+        for name, f in st["files"].items():
+            click.echo(f"  {name:<20} {f['size']:>10} bytes  mode {f['mode']}")
+        click.echo(f"keyring    {st['keyring']}")
+        key = st["key"] + (f": {st['key_problem']}" if st.get("key_problem") else "")
+        click.echo(f"key        {key}")
+        click.echo(f"key id     {st['kid']}")
+        click.echo(f"ttl        {st['ttl']}")
+        counts = f"{plural(st['items'], 'item')} in {plural(st['sessions'], 'session')}"
+        if "readable" in st:
+            counts += (
+                f" ({st['readable']} readable, {st['expired']} expired, "
+                f"{st['unreadable']} unreadable)"
+            )
+        click.echo(f"contents   {counts}")
+        click.echo(f"rotated    {st['rotated_at']}")
+        if st["scrub_pending"]:
+            click.echo("scrub      pending (old bytes may remain until the next command)")
+        if st.get("shred_interrupted"):
+            click.echo("shred      interrupted: run `memvault shred` again to finish it")
+
+    emit(st, human)
+
+
+@cli.command()
+@common
+def sessions() -> None:
+    """One row per session: id, items, expired, unreadable, last update.
+
+    \b
+    Example:
+      memvault sessions
+    """
+    rows = [s.as_dict() for s in open_vault().sessions()]
+    for r in rows:
+        r["updated_at"] = iso_utc(r.get("updated_at"))
+
+    def human() -> None:
+        if not rows:
+            click.echo("no sessions")
+            return
+        click.echo(f"{'SESSION':<30} {'ITEMS':>6} {'EXPIRED':>8} {'UNREADABLE':>10}  UPDATED")
+        for r in rows:
+            click.echo(
+                f"{r['session_id']:<30} {r['items']:>6} {r['expired']:>8} "
+                f"{r['unreadable']:>10}  {r['updated_at'] or '-'}"
+            )
+
+    emit(rows, human)
+
+
+def _item_text(item: Any) -> str:
+    if isinstance(item, dict):
+        role = item.get("role") or item.get("type") or "item"
+        content = item.get("content")
+        if isinstance(content, str):
+            return f"{role}: {content}"
+        if isinstance(content, list):
+            parts = [c.get("text", "") for c in content if isinstance(c, dict)]
+            if any(parts):
+                return f"{role}: {' '.join(p for p in parts if p)}"
+        return f"{role}: {json.dumps(item, ensure_ascii=False)}"
+    return json.dumps(item, ensure_ascii=False)
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION", type=SESSION)
+@click.option(
+    "--limit", type=click.IntRange(min=1, max=MAX_COUNT), metavar="N",
+    help="Only the newest N items.",
+)
+@common
+def show(session_id: str, limit: int | None) -> None:
+    """Print the decrypted items of SESSION, oldest first.
+
+    \b
+    Example:
+      memvault show carnet-local --limit 10
+    """
+    vault = open_vault()
+    items, expired, unreadable = vault.items(session_id, limit)
+
+    def human() -> None:
+        for i, it in enumerate(items, 1):
+            click.echo(f"[{i}] {_item_text(it)}")
+        if expired:  # otherwise a session of expired items would print nothing at all
+            click.echo(
+                f"{plural(expired, 'expired item')} hidden by the TTL "
+                f"({durations.format_duration(vault.ttl)}); `memvault purge` deletes them"
+            )
+
+    data = {"session_id": session_id, "items": items, "expired": expired, "unreadable": unreadable}
+    emit(data, human)
+    if unreadable:
+        raise VaultError(
+            f"{plural(unreadable, 'item')} of session {session_id!r} failed authentication "
+            "(tampered, corrupt or sealed with another key) and "
+            f"{'was' if unreadable == 1 else 'were'} not shown; nothing was changed"
+        )
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION", type=SESSION)
+@click.option(
+    "-n",
+    "count",
+    type=click.IntRange(min=1, max=MAX_COUNT),
+    default=1,
+    show_default=True,
+    help="How many of the newest items to remove.",
+)
+@common
+def pop(session_id: str, count: int) -> None:
+    """Remove the newest N items of SESSION (to undo a turn, pop 2).
+
+    \b
+    Example:
+      memvault pop carnet-local -n 2
+    """
+    vault = open_vault()
+    result = vault.pop(session_id, count)
+    popped = result.items
+    emit(
+        {"session_id": session_id, "popped": popped},
+        lambda: click.echo(f"removed {plural(len(popped), 'item')} from {session_id}"),
+    )
+    check_scrub(result.scrubbed)
+
+
+@cli.command()
+@click.argument("session_id", metavar="SESSION", type=SESSION)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--include-unreadable",
+    is_flag=True,
+    help="Also delete items that fail authentication (refused by default).",
+)
+@common
+def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
+    """Empty SESSION; other sessions in the file are untouched.
+
+    Refuses, deleting nothing, if an item of SESSION fails authentication
+    (tampered, corrupt or under another key), unless --include-unreadable.
+
+    \b
+    Example:
+      memvault clear carnet-local --yes
+    """
+    vault = open_vault()
+    vault.sealer()  # fail on the key before asking anything
+    confirm(f"Delete every item of session {session_id!r}?", yes)
+    result = vault.clear(session_id, include_unreadable=include_unreadable)
+    n, bad = result.deleted, result.unreadable_deleted
+    emit(
+        {
+            "session_id": session_id,
+            "deleted": n,
+            "unreadable_deleted": bad,
+            "scrubbed": result.scrubbed,
+        },
+        lambda: click.echo(
+            f"cleared {session_id}: {n} item(s) deleted"
+            + (f", {bad} of them unreadable" if bad else "")
+        ),
+    )
+    check_scrub(result.scrubbed)
+
+
+@cli.command()
+@click.argument("value", required=False, callback=duration, metavar="[DURATION]")
+@common
+def ttl(value: Any) -> None:
+    """Print the vault's TTL, or set it (90s, 15m, 12h, 30d, 2w, seconds, never).
+
+    Items older than the TTL are skipped on read and removed by `purge`.
+
+    \b
+    Example:
+      memvault ttl 7d
+    """
+    vault = open_vault()
+    vault.sealer()  # a revoked or missing key fails here, as every keyed command does
+    if value is not None:
+        vault.set_ttl(value[1])
+    text = durations.format_duration(vault.ttl)
+    emit(
+        {"ttl": text, "ttl_seconds": vault.ttl},
+        lambda: click.echo(f"ttl {text}" + (" (set)" if value is not None else "")),
+    )
+
+
+@cli.command()
+@common
+def log() -> None:
+    """The audit trail: key and lifecycle events with counts, never content.
+
+    \b
+    Example:
+      memvault log --json
+    """
+    rows = open_vault().audit_log()
+    for r in rows:
+        if r["event"] == "ttl":  # stored as seconds; shown as everywhere else (30d, never)
+            for k in ("old", "new"):
+                r[k] = _ttl_text(r.get(k))
+
+    def human() -> None:
+        for r in rows:
+            extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("at", "event", "kid"))
+            click.echo(f"{r['at']}  {r['event']:<10} {r['kid'] or '-':<22} {extra}")
+
+    emit(rows, human)
+
+
+def _ttl_text(value: Any) -> Any:
+    if value is None or value == "never":
+        return value
+    try:
+        return durations.format_duration(int(value))
+    except (TypeError, ValueError):
+        return value  # a value an older version wrote: shown as it is
