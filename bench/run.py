@@ -46,8 +46,9 @@ try:
     from cryptography.fernet import MultiFernet
 
     import vault
-    from vault import crypto, paths, store
+    from vault import crypto, paths
     from vault.keys import KeyStore
+    from vault.shred import shred
     from vault.store import DEFAULT_TTL, Vault
 except ImportError as _exc:  # pragma: no cover - a setup problem, not a benchmark result
     sys.exit(
@@ -381,7 +382,7 @@ class Workspace:
         for path, _vid in self.vaults:
             if path.exists():
                 with contextlib.suppress(Exception):
-                    store.shred(path, ks)
+                    shred(path, ks)
         for _path, vid in self.vaults:
             with contextlib.suppress(Exception):
                 ks.delete_pending(vid)
@@ -951,7 +952,7 @@ def bench_rotation(cfg: Config, ws: Workspace) -> None:
         ks.set(vault_id, master)
         size = sum(p.stat().st_size for p in paths.sidecars(target) if p.exists())
         t0 = time.perf_counter()
-        report = store.shred(target, ks)
+        report = shred(target, ks)
         t = time.perf_counter() - t0
         assert report["items"] == n and report["key_destroyed"], report
         sizes.append(size)

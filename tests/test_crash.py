@@ -253,14 +253,14 @@ ROTATOR = textwrap.dedent(
     """
     import sys, time
     import vault.crypto as crypto
-    import vault.store as store
+    import vault.testhooks as testhooks
     from vault.store import Vault
     v = Vault.open(sys.argv[1])
     v.sealer()
     t0 = time.monotonic()
     # Progress, for the parent to time its kill on: each named step as it is reached,
     # and every ROWS rows re-encrypted.
-    store.failpoint = lambda name: print(name, time.monotonic() - t0, flush=True)
+    testhooks.failpoint = lambda name: print(name, time.monotonic() - t0, flush=True)
     rotate_row = crypto.rotate_row_stamped
     done = 0
 

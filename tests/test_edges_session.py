@@ -186,7 +186,7 @@ def test_pop_after_another_process_rotated(vault: Any, vault_db: Path) -> None:
     v = Vault.open(vault_db)
     v.sealer()
     assert run_cli("rotate").code == 0
-    assert v.pop("s") == [user("two")]
+    assert v.pop("s").items == [user("two")]
 
 
 READER = """

@@ -285,3 +285,35 @@ def test_internal_error_is_one_line_without_traceback(vault: Any, vault_db: Path
         assert r.code == 1 and len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
     finally:
         shutil.rmtree(wal)
+
+
+def test_sqlite_errors_are_classified_by_their_code_not_by_words_in_the_message(
+    tmp_path: Path,
+) -> None:
+    """SQLITE_BUSY is busy and SQLITE_NOTADB is no vault; words in a message mean nothing."""
+    from vault.db import translate
+    from vault.errors import NotAVault, OperationFailed, VaultBusy
+
+    db = tmp_path / "v.db"
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("PRAGMA journal_mode = WAL")
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    other = sqlite3.connect(db, isolation_level=None, timeout=0)
+    try:
+        with pytest.raises(sqlite3.OperationalError) as busy:
+            other.execute("BEGIN IMMEDIATE")
+        assert type(translate(busy.value, db)) is VaultBusy
+        # SQLITE_ERROR, whose text happens to hold words other errors use.
+        with pytest.raises(sqlite3.OperationalError) as plain:
+            other.execute("SELECT * FROM locked_or_corrupt_disk_full")
+        err = translate(plain.value, db)
+        assert type(err) is OperationFailed and err.message.startswith("SQLite error on"), err
+    finally:
+        other.close()
+        holder.close()
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database at all" * 200)
+    with pytest.raises(sqlite3.DatabaseError) as notadb:
+        sqlite3.connect(junk).execute("SELECT * FROM sqlite_master")
+    assert type(translate(notadb.value, junk)) is NotAVault

@@ -315,11 +315,11 @@ def test_rotation_is_one_transaction_with_synchronous_full(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every envelope and the kid change in one BEGIN IMMEDIATE ... COMMIT, synchronous=FULL."""
-    import vault.store as store
+    import vault.db as db
 
     populate(vault_db)
     traces: list[tuple[int, list[str]]] = []
-    real_connect = store.connect
+    real_connect = db.connect
 
     def traced(path: Path, timeout: float | None = None) -> sqlite3.Connection:
         conn = real_connect(path, timeout)
@@ -328,9 +328,9 @@ def test_rotation_is_one_transaction_with_synchronous_full(
         conn.set_trace_callback(lambda sql: log.append(" ".join(sql.split())))
         return conn
 
-    monkeypatch.setattr(store, "connect", traced)
+    monkeypatch.setattr(db, "connect", traced)
     vault.rotate()
-    monkeypatch.setattr(store, "connect", real_connect)
+    monkeypatch.setattr(db, "connect", real_connect)
 
     rewriting = [(sync, log) for sync, log in traces
                  if any(s.startswith("UPDATE agent_messages") for s in log)]
@@ -441,8 +441,8 @@ def test_scrub_after_clear_leaves_no_deleted_token(vault: Vault, vault_db: Path,
     kept = tokens(vault_db, "chat-b") + tokens(vault_db, "chat-c")
     with bystander(vault_db):
         if how == "library":
-            assert vault.clear("chat-a") == len(expected["chat-a"])
-            assert not vault.scrub_incomplete
+            cleared = vault.clear("chat-a")
+            assert cleared.deleted == len(expected["chat-a"]) and cleared.scrubbed
         elif how == "cli":
             r = run_cli("--json", "clear", "chat-a", "--yes")
             assert r.code == 0, r
@@ -473,8 +473,7 @@ def test_control_rotate_without_scrub_leaves_residue_the_scanner_finds(
         assert len(found) == len(old_tokens), "the scanner must see the unscrubbed residue"
         assert db_meta(vault_db)["scrub_pending"] == "1"
         # ... and the next open finishes the scrub.
-        reopened = Vault.open(vault_db)
-        assert not reopened.scrub_incomplete
+        Vault.open(vault_db)
         assert residue(vault_db, old_tokens) == []
         assert db_meta(vault_db)["scrub_pending"] == "0"
 
@@ -494,8 +493,8 @@ def test_control_purge_and_clear_without_scrub_leave_residue(
             report = vault.purge(now=now)
             assert report.counts["deleted"] == 10 and report.scrubbed is False
         else:
-            assert vault.clear("gone") == 10
-            assert vault.scrub_incomplete
+            cleared = vault.clear("gone")
+            assert cleared.deleted == 10 and cleared.scrubbed is False
         assert residue(vault_db, doomed) == doomed, "secure_delete alone leaves the old pages"
         monkeypatch.setattr(Vault, "scrub", real_scrub)
         Vault.open(vault_db)  # the next open finishes the scrub
@@ -511,7 +510,6 @@ def test_blocked_scrub_is_reported_and_finished_by_next_open(
         report = vault.rotate()
         assert report.scrubbed is False
         assert report.counts["scrubbed"] is False
-        assert vault.scrub_incomplete
         assert db_meta(vault_db)["scrub_pending"] == "1"
         # The warning is true: the replaced ciphertext is still in the files.
         assert residue(vault_db, old_tokens)
@@ -521,7 +519,6 @@ def test_blocked_scrub_is_reported_and_finished_by_next_open(
 
         reopened = Vault.open(vault_db)
 
-        assert not reopened.scrub_incomplete
         assert db_meta(vault_db)["scrub_pending"] == "0"
         assert residue(vault_db, old_tokens) == []
         for sid, items in expected.items():
@@ -717,7 +714,7 @@ def test_revoke_during_a_rotation_is_never_undone_by_its_promotion(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A revoke that lands between a rotation's commit and its key promotion wins."""
-    import vault.store as store
+    import vault.testhooks as testhooks
 
     populate(vault_db)
     vault_id = vault.vault_id
@@ -727,11 +724,11 @@ def test_revoke_during_a_rotation_is_never_undone_by_its_promotion(
         if name == "after-commit" and not revoke:
             revoke.append(run_cli("--json", "revoke", "--yes", env={"MEMVAULT_LOCK_TIMEOUT": "5"}))
 
-    real = store.failpoint
-    monkeypatch.setattr(store, "failpoint", interleave)
+    real = testhooks.failpoint
+    monkeypatch.setattr(testhooks, "failpoint", interleave)
     with contextlib.suppress(KeyRevoked):
         vault.rotate()
-    monkeypatch.setattr(store, "failpoint", real)
+    monkeypatch.setattr(testhooks, "failpoint", real)
 
     assert revoke and revoke[0].code == 0, revoke
     assert vault_entries(vault_id) == {}, "the rotation brought a revoked vault's key back"

@@ -32,7 +32,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import vault.store as store
+import vault.testhooks as testhooks
 from vault import crypto
 from vault.errors import UnknownSession
 from vault.keys import KeyStore
@@ -137,7 +137,7 @@ class VaultMachine(RuleBasedStateMachine):
             return
         rows = self.model[sid]
         expected = [item for item, _ in reversed(rows[-n:])]  # newest first, expired too
-        assert self.vault.pop(sid, n) == expected
+        assert self.vault.pop(sid, n).items == expected
         del rows[max(0, len(rows) - n):]
 
     @rule(sid=SESSIONS)
@@ -146,7 +146,7 @@ class VaultMachine(RuleBasedStateMachine):
             with pytest.raises(UnknownSession):
                 self.vault.clear(sid)
             return
-        assert self.vault.clear(sid) == len(self.model.pop(sid))
+        assert self.vault.clear(sid).deleted == len(self.model.pop(sid))
 
     @rule()
     def purge(self) -> None:
@@ -182,8 +182,8 @@ class VaultMachine(RuleBasedStateMachine):
 
         # The in-transaction step is reached once per batch of rows: never on an empty vault.
         reached = step != "in-transaction" or any(self.model.values())
-        real = store.failpoint
-        store.failpoint = crash
+        real = testhooks.failpoint
+        testhooks.failpoint = crash
         try:
             if reached:
                 with pytest.raises(SimulatedCrash):
@@ -191,7 +191,7 @@ class VaultMachine(RuleBasedStateMachine):
             else:
                 self.vault.rotate()
         finally:
-            store.failpoint = real
+            testhooks.failpoint = real
         committed = step not in ("after-pending", "in-transaction") or not reached
         assert (self.vault.meta()["kid"] != old_kid) == committed
         self._reopen()

@@ -13,9 +13,7 @@ The model needs OPENAI_API_KEY; without it the command says so and exits 4.
 SDK tracing is turned off: the conversation goes to the model and nowhere else.
 
 Test-only hook: MEMVAULT_CHAT_TEST_MODEL=module:factory makes the agent use
-`factory()` (an `agents.Model`, e.g. `agents.testing.ScriptedModel`) instead of
-a real model, so the command can be tested offline in a real subprocess. It is
-meant for tests only, says so on stderr when used, and needs no API key.
+a scripted model instead of a real one (see `vault.testhooks.chat_test_model`).
 
 This module imports the Agents SDK (about 2 s); `cli` imports it only inside
 the `chat` command.
@@ -25,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import os
 import re
 import sys
@@ -35,11 +32,10 @@ from typing import Any, TextIO
 from agents import Agent, Model, RunConfig, Runner
 from openai.types.responses import ResponseTextDeltaEvent
 
-from . import paths
+from . import paths, testhooks
 from .errors import BadInput, KeyProblem, UnknownSession, VaultError
 from .store import Vault
 
-ENV_TEST_MODEL = "MEMVAULT_CHAT_TEST_MODEL"
 INSTRUCTIONS = (
     "You are a helpful assistant in a terminal chat. Answer concisely. The conversation "
     "history you are given is the user's own, kept encrypted on their machine."
@@ -48,30 +44,12 @@ HELP = "commands: /undo (remove the last turn), /clear (empty the session), /exi
 _SECRETISH = re.compile(r"(sk-[A-Za-z0-9_\-*]{3})[A-Za-z0-9_\-*]+")
 
 
-def test_model_from_env() -> Model | None:
-    """The model named by MEMVAULT_CHAT_TEST_MODEL (`module:factory`), for tests only."""
-    spec = os.environ.get(ENV_TEST_MODEL)
-    if not spec:
-        return None
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise BadInput(f"{ENV_TEST_MODEL} must be module:factory, not {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise BadInput(f"{ENV_TEST_MODEL}={spec} cannot be loaded ({exc})") from None
-    model = factory()
-    if not isinstance(model, Model):
-        raise BadInput(f"{ENV_TEST_MODEL}={spec} did not return an agents.Model")
-    return model
-
-
 def require_model(model_name: str | None) -> Model | str | None:
     """The injected test model, else the model name (None: the SDK's default).
 
     Refuses (exit 4) without OPENAI_API_KEY, before the vault is touched.
     """
-    injected = test_model_from_env()
+    injected = testhooks.chat_test_model()
     if injected is not None:
         return injected
     if not os.environ.get("OPENAI_API_KEY"):
@@ -182,7 +160,7 @@ class Chat:
             if n == 0:
                 self.say("nothing to undo")
                 return True
-            popped = await asyncio.to_thread(self.vault.pop, self.session_id, n)
+            popped = (await asyncio.to_thread(self.vault.pop, self.session_id, n)).items
             oldest = popped[-1] if popped else None
             if _role(oldest) != "user":
                 self.say(f"warning: removed {len(popped)} item(s), but the oldest was not your "
@@ -192,7 +170,7 @@ class Chat:
             return True
         if name == "/clear":
             try:
-                n = await asyncio.to_thread(self.vault.clear, self.session_id)
+                n = (await asyncio.to_thread(self.vault.clear, self.session_id)).deleted
             except UnknownSession:
                 n = 0
             self.say(f"cleared session {self.session_id} ({n} item(s) deleted)")
@@ -244,9 +222,6 @@ def run_chat(db: str | None, session_id: str, model_name: str | None) -> int:
     if not session_id.strip():
         raise BadInput("the session id is empty")
     model = require_model(model_name)
-    if os.environ.get(ENV_TEST_MODEL):
-        print(f"memvault: {ENV_TEST_MODEL} is set: using a test model, not a real one",
-              file=sys.stderr, flush=True)
     vault = Vault.open(paths.resolve_db_path(db))
     vault.sealer()  # the key is checked before the first prompt
     return asyncio.run(Chat(vault, session_id, model).run())

@@ -159,12 +159,12 @@ def progress_bar(length: int, label: str) -> Iterator[Any]:
         yield bar
 
 
-def check_scrub(vault: Vault) -> None:
+def check_scrub(scrubbed: bool) -> None:
     """After the result is printed: exit 5 if old bytes may still be in the files.
 
     The change itself is committed; the next memvault command finishes the scrub.
     """
-    if vault.scrub_incomplete:
+    if not scrubbed:
         raise VaultBusy(
             "the change is committed, but the scrub is incomplete: another process holds a "
             "read transaction, so replaced ciphertext may remain in the WAL; the next memvault "

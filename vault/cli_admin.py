@@ -57,7 +57,7 @@ def purge(yes: bool) -> None:
             )
         ),
     )
-    check_scrub(vault)
+    check_scrub(report.scrubbed)
 
 
 def _count(vault: Vault) -> int:
@@ -90,7 +90,7 @@ def rotate() -> None:
             "  older recovery kits no longer match: run `memvault key export` again"
         ),
     )
-    check_scrub(vault)
+    check_scrub(report.scrubbed)
 
 
 @cli.command()
@@ -153,7 +153,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
       memvault shred --yes --receipt shred-receipt.json
     """
     from .files import check_new_file, write_private
-    from .store import _regular_files, shred_target
+    from .shred import regular_files, shred_target
 
     target = shred_target(state().db)  # no vault, nothing asked (exit 3)
     path = target["path"]
@@ -161,7 +161,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
         check_new_file(receipt, "receipt")
     named = f" {target['vault_id']}" if target["vault_id"] else ""
     confirm(f"Destroy the vault{named} at {path}, its key and its files?", yes)
-    size = sum(n for _, n in _regular_files(path))
+    size = sum(n for _, n in regular_files(path))
     with progress_bar(size, "overwriting") as bar:
 
         def resize(total: int) -> None:

@@ -199,12 +199,13 @@ def pop(session_id: str, count: int) -> None:
       memvault pop carnet-local -n 2
     """
     vault = open_vault()
-    popped = vault.pop(session_id, count)
+    result = vault.pop(session_id, count)
+    popped = result.items
     emit(
         {"session_id": session_id, "popped": popped},
         lambda: click.echo(f"removed {plural(len(popped), 'item')} from {session_id}"),
     )
-    check_scrub(vault)
+    check_scrub(result.scrubbed)
 
 
 @cli.command()
@@ -229,21 +230,21 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
     vault = open_vault()
     vault.sealer()  # fail on the key before asking anything
     confirm(f"Delete every item of session {session_id!r}?", yes)
-    n = vault.clear(session_id, include_unreadable=include_unreadable)
-    bad = vault.cleared_unreadable
+    result = vault.clear(session_id, include_unreadable=include_unreadable)
+    n, bad = result.deleted, result.unreadable_deleted
     emit(
         {
             "session_id": session_id,
             "deleted": n,
             "unreadable_deleted": bad,
-            "scrubbed": not vault.scrub_incomplete,
+            "scrubbed": result.scrubbed,
         },
         lambda: click.echo(
             f"cleared {session_id}: {n} item(s) deleted"
             + (f", {bad} of them unreadable" if bad else "")
         ),
     )
-    check_scrub(vault)
+    check_scrub(result.scrubbed)
 
 
 @cli.command()

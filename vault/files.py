@@ -25,6 +25,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in after lstat must not block us
 # Flags for opening a name that `lstat` said is a regular file.
 NO_FOLLOW = _NOFOLLOW | _NONBLOCK
+# Told how much more work is done (bytes overwritten, rows rewritten): drives progress bars.
+Progress = Callable[[int], None]
 
 
 def kind(mode: int) -> str:
@@ -184,7 +186,7 @@ def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = Fal
 
 
 def overwrite(
-    path: Path, header: bytes = b"", progress: Callable[[int], None] | None = None
+    path: Path, header: bytes = b"", progress: Progress | None = None
 ) -> int | None:
     """Overwrite a regular file in place with `header` then zeros, and fsync it.
 
@@ -224,7 +226,7 @@ def overwrite(
 
 
 def destroy(
-    path: Path, header: bytes = b"", progress: Callable[[int], None] | None = None
+    path: Path, header: bytes = b"", progress: Progress | None = None
 ) -> dict[str, Any] | None:
     """Overwrite then unlink a regular file; unlink any other entry without opening it.
 

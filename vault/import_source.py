@@ -14,8 +14,9 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .db import error_name, is_busy
 from .errors import OperationFailed, VaultBusy
-from .store import MESSAGES_TABLE
+from .schema import MESSAGES_TABLE
 
 SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
 MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")
@@ -99,13 +100,12 @@ def open_source(src: Path, shred_source: bool) -> sqlite3.Connection:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
     except sqlite3.Error as exc:
         conn.close()
-        low = str(exc).lower()
-        if "locked" in low or "busy" in low:
+        if is_busy(exc):
             raise VaultBusy(
                 f"{src} is in use by another process (an agent still writing to it?); close "
                 "it and run the import again; nothing was imported"
             ) from None
-        if "not a database" in low:
+        if error_name(exc) == "SQLITE_NOTADB":
             raise OperationFailed(
                 f"{src} is not a SQLite database, so it is not a SQLiteSession file; "
                 "nothing was imported"

@@ -40,8 +40,10 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from . import crypto, files, paths
+from . import crypto, files, paths, testhooks
+from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession
+from .files import Progress
 from .import_source import (
     INTERNAL_TABLES,
     NotUTF8,
@@ -53,16 +55,8 @@ from .import_source import (
     open_source,
     quote_name,
 )
-from .store import (
-    MESSAGES_TABLE,
-    SESSIONS_TABLE,
-    SQLITE_MAGIC,
-    Progress,
-    Vault,
-    _audit,
-    failpoint,
-    utcnow,
-)
+from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
+from .store import Vault
 
 BATCH = 500
 
@@ -305,13 +299,10 @@ class Importer:
         }
         if self.shred_source:
             report["source_shredded"] = self._shred_source()
-            with vault._connect() as conn:
-                conn.execute("BEGIN IMMEDIATE")
-                _audit(conn, "source-shred", vault.sealer().kid,
-                       files=len(report["source_shredded"]["files"]),
-                       bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
-                       rows=report["source_shredded"]["rows"])
-                conn.execute("COMMIT")
+            vault.record("source-shred", vault.sealer().kid,
+                         files=len(report["source_shredded"]["files"]),
+                         bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
+                         rows=report["source_shredded"]["rows"])
         report["at"] = utcnow()
         return report
 
@@ -335,10 +326,8 @@ class Importer:
         sid = s.session_id
         source_digest = hashlib.sha256()
         count = 0
-        with vault._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            vault._check_kid(conn, sealer)
-            sealer = vault.sealer()
+        with vault.write_transaction() as conn:
+            sealer = vault.check_kid(conn, sealer)
             if conn.execute(
                 f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = ? UNION ALL "
                 f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = ? LIMIT 1",
@@ -371,7 +360,7 @@ class Importer:
                 count += len(batch)
                 if progress:
                     progress(len(batch))
-                failpoint("import-in-transaction")  # test-only SIGKILL, see store.failpoint
+                testhooks.failpoint("import-in-transaction")
             # Read back, inside the transaction: same count, same items, same order.
             vault_digest = hashlib.sha256()
             stored = 0
@@ -392,8 +381,7 @@ class Importer:
                     f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
                     f"back and not imported ({part - 1} session(s) before it were)"
                 )
-            _audit(conn, "import", sealer.kid, items=count, part=part, parts=parts)
-            conn.execute("COMMIT")
+            audit(conn, "import", sealer.kid, items=count, part=part, parts=parts)
         return count
 
     def _shred_source(self) -> dict[str, Any]:
@@ -402,7 +390,7 @@ class Importer:
         src = plan.source
         conn = self.conn
         try:
-            failpoint("import-before-source-shred")
+            testhooks.failpoint("import-before-source-shred")
             rows = conn.execute(f"DELETE FROM {quote_name(plan.messages_table)}").rowcount
             conn.execute(f"DELETE FROM {quote_name(plan.sessions_table)}")
             conn.execute("COMMIT")

@@ -51,7 +51,8 @@ from .errors import (
     OperationFailed,
 )
 from .keys import ASIDE_INFIX
-from .store import Vault, _audit, utcnow
+from .schema import utcnow
+from .store import Vault
 
 KIT_FORMAT = "memvault-recovery-kit"
 KIT_VERSION = 1
@@ -237,7 +238,7 @@ def check_kdf_cost(n: int, r: int, p: int, path: Path) -> None:
         )
 
 
-def write_private(path: str | os.PathLike[str], text: str, force: bool = False) -> Path:
+def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False) -> Path:
     """Create `path` 0600 with `text`, fsynced; never follows or clobbers an existing file
     unless `force`, and then replaces it atomically (a new 0600 file renamed over it)."""
     target = Path(path)
@@ -270,11 +271,8 @@ def export_kit(
     sealer = vault.sealer()  # a working key, checked against the file
     vault_id = vault.vault_id
     kit = seal(sealer.master_key, vault_id, passphrase)
-    target = write_private(path, kit.to_json(), force=force)
-    with vault._connect() as conn:
-        conn.execute("BEGIN IMMEDIATE")
-        _audit(conn, "key-export", kit.kid, kit_version=KIT_VERSION, kdf="scrypt")
-        conn.execute("COMMIT")
+    target = write_kit_file(path, kit.to_json(), force=force)
+    vault.record("key-export", kit.kid, kit_version=KIT_VERSION, kdf="scrypt")
     return {"path": str(target), "vault_id": vault_id, "kid": kit.kid,
             "created_at": kit.created_at}
 
@@ -352,11 +350,8 @@ def import_kit(
         fresh = vault.sealer(refresh=True)
         if fresh.kid != meta["kid"]:
             raise KeyProblem(f"the keyring did not keep the restored key for vault {vault_id}")
-    with vault._connect() as conn:
-        conn.execute("BEGIN IMMEDIATE")
-        extra = {"replaced_kid": replaced} if replaced else {}
-        _audit(conn, "key-import", kit.kid, keyring_before=state, **extra)
-        conn.execute("COMMIT")
+    extra = {"replaced_kid": replaced} if replaced else {}
+    vault.record("key-import", kit.kid, keyring_before=state, **extra)
     kept = f"{vault_id}{ASIDE_INFIX}{replaced}" if replaced and replaced != "unknown" else None
     return {"path": str(p), "vault_id": vault_id, "kid": kit.kid, "keyring_before": state,
             "replaced_kid": replaced, "kept_aside_as": kept, "restored": state != "present",

@@ -19,8 +19,9 @@ from agents import SQLiteSession
 from agents.extensions.memory import EncryptedSession
 from cryptography.fernet import InvalidToken
 
+from .db import configure, is_busy, lock_timeout, parse_ttl, translate
 from .errors import NotAVault, UnknownSession
-from .store import GUARD_MESSAGE, configure, lock_timeout, parse_ttl, translate
+from .schema import GUARD_MESSAGE
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -209,7 +210,7 @@ class VaultSession(EncryptedSession):
                 if self._kid == sealed_with:
                     raise translate(exc, self._db_path) from exc
             except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) and time.monotonic() < deadline:
+                if is_busy(exc) and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                     continue
                 raise translate(exc, self._db_path) from exc

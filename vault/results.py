@@ -1,0 +1,49 @@
+"""What the vault's operations return: typed results, for the CLI to print or dump as JSON.
+
+A change that deletes or rewrites rows also says whether its scrub finished
+(`scrubbed`): False means another process's read transaction kept the old bytes
+in the WAL for now; the change is committed and the next open finishes the scrub.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SessionInfo:
+    session_id: str
+    items: int
+    readable: int = 0
+    expired: int = 0
+    unreadable: int = 0
+    updated_at: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Report:
+    """What a long operation (purge, rotate) did: its counts, and whether it scrubbed."""
+
+    counts: dict[str, Any] = field(default_factory=dict)
+    scrubbed: bool = True
+
+
+@dataclass
+class Popped:
+    """`Vault.pop`: the removed items, oldest first."""
+
+    items: list[Any]
+    scrubbed: bool
+
+
+@dataclass
+class Cleared:
+    """`Vault.clear`: how many items went, and how many of those did not authenticate."""
+
+    deleted: int
+    unreadable_deleted: int
+    scrubbed: bool

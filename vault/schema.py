@@ -1,0 +1,141 @@
+"""The vault file's format: its tables, guard triggers and migrations.
+
+The file keeps the SDK's own `agent_sessions` / `agent_messages` tables
+unchanged (so `SQLiteSession` can still open it) and adds `memvault_meta`,
+`memvault_audit`, `memvault_migrations` and two guard triggers. Migrations are
+a list of functions, each applied once and recorded by name.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import sqlite3
+from collections.abc import Callable
+
+FORMAT = "memvault/1"
+DEFAULT_TTL = 30 * 86400
+SESSIONS_TABLE = "agent_sessions"
+MESSAGES_TABLE = "agent_messages"
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# A shred in progress stamps the file so that a second run recognises and finishes it.
+SHRED_MAGIC = b"memvault-shred\x00\x00"
+
+
+def utcnow() -> str:
+    """The one timestamp format of the file (meta, audit, migrations): UTC, to the second."""
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# Migrations: applied in this order, each recorded once by name.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = []
+
+
+def migration(fn: Callable[[sqlite3.Connection], None]) -> Callable[[sqlite3.Connection], None]:
+    MIGRATIONS.append(fn)
+    return fn
+
+
+@migration
+def m001_sdk_tables(conn: sqlite3.Connection) -> None:
+    # The exact DDL of the SDK's SQLiteSession, so the SDK recognises the file.
+    conn.execute(
+        f"""CREATE TABLE IF NOT EXISTS {SESSIONS_TABLE} (
+                session_id TEXT PRIMARY KEY,
+                created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+                updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+            )"""
+    )
+    conn.execute(
+        f"""CREATE TABLE IF NOT EXISTS {MESSAGES_TABLE} (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                session_id TEXT NOT NULL,
+                message_data TEXT NOT NULL,
+                created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+                FOREIGN KEY (session_id) REFERENCES {SESSIONS_TABLE} (session_id)
+                    ON DELETE CASCADE
+            )"""
+    )
+    conn.execute(
+        f"CREATE INDEX IF NOT EXISTS idx_{MESSAGES_TABLE}_session_id "
+        f"ON {MESSAGES_TABLE} (session_id, id)"
+    )
+
+
+@migration
+def m002_meta(conn: sqlite3.Connection) -> None:
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS memvault_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+    )
+
+
+# A row may enter agent_messages only as a well-formed envelope under the current kid:
+# this refuses plaintext from a bare SQLiteSession, items under another key, and a
+# writer that opened the vault before a rotation.
+_NOT_SEALED = """
+    CASE WHEN json_valid(NEW.message_data) THEN
+        json_type(NEW.message_data) IS NOT 'object'
+        OR json_extract(NEW.message_data, '$.__enc__') IS NOT 1
+        OR json_type(NEW.message_data, '$.payload') IS NOT 'text'
+        OR json_extract(NEW.message_data, '$.payload') NOT GLOB 'gAAAAA*'
+        OR json_extract(NEW.message_data, '$.kid') IS NOT
+            (SELECT value FROM memvault_meta WHERE key = 'kid')
+        OR (SELECT count(*) FROM json_each(NEW.message_data)) != 4
+    ELSE 1 END
+"""
+GUARD_MESSAGE = "memvault: refused an item not sealed with the vault's current key"
+
+
+@migration
+def m003_guard_triggers(conn: sqlite3.Connection) -> None:
+    conn.execute(
+        f"""CREATE TRIGGER IF NOT EXISTS memvault_guard_insert
+            BEFORE INSERT ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
+    )
+    conn.execute(
+        f"""CREATE TRIGGER IF NOT EXISTS memvault_guard_update
+            BEFORE UPDATE OF message_data ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
+    )
+
+
+@migration
+def m004_audit(conn: sqlite3.Connection) -> None:
+    # Events and counts only: never content, never a session's items.
+    conn.execute(
+        """CREATE TABLE IF NOT EXISTS memvault_audit (
+               id INTEGER PRIMARY KEY AUTOINCREMENT,
+               at TEXT NOT NULL,
+               event TEXT NOT NULL,
+               kid TEXT,
+               details TEXT NOT NULL DEFAULT '{}'
+           )"""
+    )
+
+
+def migrate(conn: sqlite3.Connection) -> list[str]:
+    """Apply the migrations not yet recorded; the caller holds a write transaction."""
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS memvault_migrations "
+        "(name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"
+    )
+    done = {r[0] for r in conn.execute("SELECT name FROM memvault_migrations")}
+    applied = []
+    for fn in MIGRATIONS:
+        if fn.__name__ not in done:
+            fn(conn)
+            conn.execute(
+                "INSERT INTO memvault_migrations (name, applied_at) VALUES (?, ?)",
+                (fn.__name__, utcnow()),
+            )
+            applied.append(fn.__name__)
+    return applied
+
+
+def needs_migration(conn: sqlite3.Connection) -> bool:
+    """Whether `migrate` has work to do (read-only: no write lock is taken to find out)."""
+    try:
+        done = {r[0] for r in conn.execute("SELECT name FROM memvault_migrations")}
+    except sqlite3.OperationalError:
+        return True
+    return any(fn.__name__ not in done for fn in MIGRATIONS)
