@@ -26,9 +26,6 @@ from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-# Re-exported for store.py, which still calls `crypto.format_duration`.
-from .durations import format_duration as format_duration  # noqa: F401
-
 ENVELOPE_VERSION = 1
 # The SDK's HKDF `info`: changing it would make vault items unreadable by the SDK.
 HKDF_INFO = b"agents.session-store.hkdf.v1"

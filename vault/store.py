@@ -22,7 +22,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import crypto, files, paths, testhooks
+from . import crypto, durations, files, paths, testhooks
 from .db import (
     audit,
     check_header,
@@ -159,7 +159,7 @@ class Vault(KeyLifecycle):
                 conn.executemany(
                     "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
                 )
-                audit(conn, "init", kid, ttl=crypto.format_duration(ttl))
+                audit(conn, "init", kid, ttl=durations.format_duration(ttl))
         except BaseException:
             for p in paths.sidecars(path):
                 with contextlib.suppress(FileNotFoundError):
@@ -319,7 +319,7 @@ class Vault(KeyLifecycle):
             "size": sum(f["size"] for f in files.values()),
             "vault_id": meta["vault_id"],
             "kid": meta["kid"],
-            "ttl": crypto.format_duration(self.ttl),
+            "ttl": durations.format_duration(self.ttl),
             "created_at": meta.get("created_at"),
             "rotated_at": meta.get("rotated_at"),
             "scrub_pending": meta.get("scrub_pending") == "1",
