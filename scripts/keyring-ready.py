@@ -41,8 +41,10 @@ def main() -> int:
             return 0
         last = problem
         time.sleep(0.2)
-    print(f"with-keyring: the private keyring is not usable after {DEADLINE:g} s ({last})",
-          file=sys.stderr)
+    print(
+        f"with-keyring: the private keyring is not usable after {DEADLINE:g} s ({last})",
+        file=sys.stderr,
+    )
     return 3
 
 

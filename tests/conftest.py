@@ -176,8 +176,9 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_on_terminal(args: list[str], answers: list[tuple[bytes, str]],
-                    timeout: float = 120) -> tuple[int, bytes]:
+def run_on_terminal(
+    args: list[str], answers: list[tuple[bytes, str]], timeout: float = 120
+) -> tuple[int, bytes]:
     """Run `python -m vault ARGS` on a pseudo-terminal, answering each prompt in turn."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its stdin, stdout, stderr and controlling tty

@@ -52,17 +52,23 @@ def item_text(sid: str, i: int, size: int) -> str:
 
 
 def writer_items(sid: str, start: int, count: int, size: int) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": item_text(sid, i, size)}
-            for i in range(start, start + count)]
+    return [
+        {"role": "user", "content": item_text(sid, i, size)} for i in range(start, start + count)
+    ]
 
 
-def start_writer(db: Path, sid: str, start: int, count: int, size: int,
-                 *extra: str, wait: bool = True) -> subprocess.Popen[str]:
+def start_writer(
+    db: Path, sid: str, start: int, count: int, size: int, *extra: str, wait: bool = True
+) -> subprocess.Popen[str]:
     """Start an agent writer; with `wait`, return once it has opened its session."""
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_FAILPOINT"}
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(db), sid, str(start), str(count), str(size), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
     )
     assert proc.stdout is not None
     if not wait:
@@ -98,11 +104,11 @@ def committed_wal_pages(db: Path) -> dict[int, bytes]:
     pending: dict[int, bytes] = {}
     off = WAL_HEADER
     while off + FRAME_HEADER + page_size <= len(data):
-        frame = data[off: off + FRAME_HEADER]
+        frame = data[off : off + FRAME_HEADER]
         if frame[8:16] != salts:
             break
         pgno, commit = int.from_bytes(frame[0:4], "big"), int.from_bytes(frame[4:8], "big")
-        pending[pgno] = data[off + FRAME_HEADER: off + FRAME_HEADER + page_size]
+        pending[pgno] = data[off + FRAME_HEADER : off + FRAME_HEADER + page_size]
         if commit:
             pages.update(pending)
             pending.clear()

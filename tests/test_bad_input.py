@@ -48,8 +48,9 @@ def untouched(vault: Any, db: Path, before: bytes) -> None:
         ("--db", "", "init"),
     ],
 )
-def test_an_empty_db_path_is_a_usage_error(vault: Any, vault_db: Path,
-                                           args: tuple[str, ...]) -> None:
+def test_an_empty_db_path_is_a_usage_error(
+    vault: Any, vault_db: Path, args: tuple[str, ...]
+) -> None:
     add_items(vault_db, "s", [user("keep me")])
     before = raw_bytes(vault_db)
     r = run_cli(*args)  # MEMVAULT_DB names the vault: an empty --db must not fall back to it
@@ -144,8 +145,9 @@ def _plain_source(path: Path, sessions: dict[str, list[Any]]) -> None:
 def test_import_of_a_session_id_that_is_not_utf8(vault: Any, tmp_path: Path) -> None:
     src = tmp_path / "plain.db"
     _plain_source(src, {"a": [user("x")]})
-    one_line(run_cli("import", str(src), "--session", NOT_UTF8), 2,
-             "the session id is not valid UTF-8")
+    one_line(
+        run_cli("import", str(src), "--session", NOT_UTF8), 2, "the session id is not valid UTF-8"
+    )
     one_line(run_cli("import", str(tmp_path / f"p{NOT_UTF8}.db")), 2, "is not valid UTF-8")
     assert vault.session_ids() == []
 
@@ -164,22 +166,34 @@ def _corrupt(src: Path, sql: str) -> None:
     ("sql", "needle"),
     [
         # Invalid UTF-8 inside an item (a stray 0xff).
-        ("UPDATE agent_messages SET message_data = CAST(X'7B22726F6C65223A2275736572222C22636F6E"
-         "74656E74223A2278FF227D' AS TEXT) WHERE id = (SELECT max(id) FROM agent_messages "
-         "WHERE session_id = 'b')", "an item of session 'b'"),
+        (
+            "UPDATE agent_messages SET message_data = CAST(X'7B22726F6C65223A2275736572222C22636F6E"
+            "74656E74223A2278FF227D' AS TEXT) WHERE id = (SELECT max(id) FROM agent_messages "
+            "WHERE session_id = 'b')",
+            "an item of session 'b'",
+        ),
         # A session id whose bytes are a UTF-8-encoded surrogate (CESU): not UTF-8.
-        ("UPDATE agent_sessions SET session_id = CAST(X'62EDA080' AS TEXT) "
-         "WHERE session_id = 'b'", "a session id"),
-        ("UPDATE agent_messages SET session_id = CAST(X'62FF' AS TEXT) "
-         "WHERE session_id = 'b'", "a session id"),
+        (
+            "UPDATE agent_sessions SET session_id = CAST(X'62EDA080' AS TEXT) "
+            "WHERE session_id = 'b'",
+            "a session id",
+        ),
+        (
+            "UPDATE agent_messages SET session_id = CAST(X'62FF' AS TEXT) WHERE session_id = 'b'",
+            "a session id",
+        ),
         # Valid JSON whose escape is a lone surrogate.
-        ("UPDATE agent_messages SET message_data = '{\"role\": \"user\", \"content\": "
-         "\"x\\ud800y\"}' WHERE id = (SELECT max(id) FROM agent_messages WHERE session_id = 'b')",
-         "lone surrogate"),
+        (
+            'UPDATE agent_messages SET message_data = \'{"role": "user", "content": '
+            '"x\\ud800y"}\' WHERE id = '
+            "(SELECT max(id) FROM agent_messages WHERE session_id = 'b')",
+            "lone surrogate",
+        ),
     ],
 )
-def test_import_refuses_text_that_is_not_unicode(vault: Any, vault_db: Path, tmp_path: Path,
-                                                 sql: str, needle: str) -> None:
+def test_import_refuses_text_that_is_not_unicode(
+    vault: Any, vault_db: Path, tmp_path: Path, sql: str, needle: str
+) -> None:
     src = tmp_path / "plain.db"
     _plain_source(src, {"a": [user("first"), assistant("ok")], "b": [user("second")]})
     _corrupt(src, sql)
@@ -216,8 +230,9 @@ def _kit_with(tmp_path: Path, n: int, r: int, p: int) -> Path:
         (2**17, 8, 8),  # 8 times the work of our own kits
     ],
 )
-def test_key_import_refuses_a_costly_kit_before_deriving(vault: Any, tmp_path: Path, n: int,
-                                                        r: int, p: int) -> None:
+def test_key_import_refuses_a_costly_kit_before_deriving(
+    vault: Any, tmp_path: Path, n: int, r: int, p: int
+) -> None:
     kit = _kit_with(tmp_path, n, r, p)
     assert vault.keystore.delete(vault.vault_id)
     started = time.monotonic()
@@ -250,8 +265,9 @@ def test_kdf_bounds_admit_our_own_kits() -> None:
         (("import", "{fifo}"), 2, "is a FIFO (named pipe); give the path of a SQLiteSession"),
     ],
 )
-def test_a_fifo_is_refused_without_blocking(vault: Any, tmp_path: Path, args: tuple[str, ...],
-                                            code: int, needle: str) -> None:
+def test_a_fifo_is_refused_without_blocking(
+    vault: Any, tmp_path: Path, args: tuple[str, ...], code: int, needle: str
+) -> None:
     import os
 
     fifo = tmp_path / "fifo"

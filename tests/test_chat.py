@@ -35,8 +35,13 @@ def scripted_model() -> Any:
 
 
 def chat(session: str, lines: list[str], log: Path, *args: str) -> Any:
-    return run_cli("chat", session, *args, input="".join(line + "\n" for line in lines),
-                   env={"MEMVAULT_CHAT_TEST_MODEL": FACTORY, "CHAT_TEST_LOG": str(log)})
+    return run_cli(
+        "chat",
+        session,
+        *args,
+        input="".join(line + "\n" for line in lines),
+        env={"MEMVAULT_CHAT_TEST_MODEL": FACTORY, "CHAT_TEST_LOG": str(log)},
+    )
 
 
 def calls(log: Path) -> list[Any]:

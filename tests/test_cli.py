@@ -15,8 +15,26 @@ import pytest
 from tests.conftest import add_items, assistant, insert_sealed, raw_bytes, rows, run_cli, user
 from vault import Vault
 
-COMMANDS = ["init", "status", "sessions", "show", "pop", "clear", "ttl", "purge", "rotate",
-            "revoke", "shred", "log", "demo", "import", "key", "key export", "key import", "chat"]
+COMMANDS = [
+    "init",
+    "status",
+    "sessions",
+    "show",
+    "pop",
+    "clear",
+    "ttl",
+    "purge",
+    "rotate",
+    "revoke",
+    "shred",
+    "log",
+    "demo",
+    "import",
+    "key",
+    "key export",
+    "key import",
+    "chat",
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -48,9 +48,16 @@ class World:
         (root / "link").symlink_to(self.db)
         (root / "dangling").symlink_to(root / "nowhere")
         self.paths = [
-            "", str(root / "missing.db"), str(root / "folder"), str(root / "fifo"),
-            str(root / "text.txt"), str(root / "empty"), str(root / "link"),
-            str(root / "dangling"), str(self.db), str(root / "bad\udcff.db"),
+            "",
+            str(root / "missing.db"),
+            str(root / "folder"),
+            str(root / "fifo"),
+            str(root / "text.txt"),
+            str(root / "empty"),
+            str(root / "link"),
+            str(root / "dangling"),
+            str(self.db),
+            str(root / "bad\udcff.db"),
             str(root / "missing-dir" / "x.db"),
         ]
 
@@ -90,8 +97,24 @@ NUMBERS = st.one_of(
     ANY_TEXT,
 )
 DURATIONS = st.one_of(
-    st.sampled_from(["90s", "15m", "12h", "30d", "2w", "never", "NEVER", "0", "-1s", "1e308",
-                     "99999999999999999999999999d", "5y", "", " 7d "]),
+    st.sampled_from(
+        [
+            "90s",
+            "15m",
+            "12h",
+            "30d",
+            "2w",
+            "never",
+            "NEVER",
+            "0",
+            "-1s",
+            "1e308",
+            "99999999999999999999999999d",
+            "5y",
+            "",
+            " 7d ",
+        ]
+    ),
     NUMBERS,
 )
 SESSIONS = st.one_of(st.sampled_from(["s1", "s2", "nosuch", "", " ", "-", "s1\x00"]), ANY_TEXT)
@@ -104,11 +127,19 @@ def _world_paths(w: World) -> st.SearchStrategy[str]:
 def command_lines(w: World) -> st.SearchStrategy[list[str]]:
     path = _world_paths(w)
     db = st.tuples(st.just("--db"), path).map(list)
-    option = st.one_of(st.just(["--json"]), db, st.just(["--json"]), db,
-                       st.sampled_from([["--version"], ["--help"]]))  # these two end the run
+    option = st.one_of(
+        st.just(["--json"]),
+        db,
+        st.just(["--json"]),
+        db,
+        st.sampled_from([["--version"], ["--help"]]),
+    )  # these two end the run
     globals_ = st.lists(option, max_size=2).map(lambda groups: [a for g in groups for a in g])
     commands = st.one_of(
-        st.just(["status"]), st.just(["sessions"]), st.just(["log"]), st.just(["rotate"]),
+        st.just(["status"]),
+        st.just(["sessions"]),
+        st.just(["log"]),
+        st.just(["rotate"]),
         st.tuples(st.just("show"), SESSIONS).map(list),
         st.tuples(st.just("show"), SESSIONS, st.just("--limit"), NUMBERS).map(list),
         st.tuples(st.just("pop"), SESSIONS, st.just("-n"), NUMBERS).map(list),
@@ -116,15 +147,20 @@ def command_lines(w: World) -> st.SearchStrategy[list[str]]:
         st.tuples(st.just("ttl"), DURATIONS).map(list),
         st.just(["ttl"]),
         st.tuples(st.just("init"), st.just("--ttl"), DURATIONS).map(list),
-        st.just(["purge"]), st.just(["purge", "--yes"]),
-        st.just(["revoke"]), st.just(["shred"]),  # no --yes: asked, stdin answers nothing
+        st.just(["purge"]),
+        st.just(["purge", "--yes"]),
+        st.just(["revoke"]),
+        st.just(["shred"]),  # no --yes: asked, stdin answers nothing
         st.tuples(st.just("import"), path).map(list),
         st.tuples(st.just("import"), path, st.just("--session"), SESSIONS).map(list),
         st.tuples(st.just("key"), st.just("import"), path).map(list),
         st.tuples(st.just("key"), st.just("export"), path).map(list),
         st.tuples(st.just("chat"), SESSIONS).map(list),
-        st.just(["demo", "--json"]), st.just(["demo", "--db", str(w.db)]),
-        st.just([]), st.just(["key"]), st.just(["bogus"]),
+        st.just(["demo", "--json"]),
+        st.just(["demo", "--db", str(w.db)]),
+        st.just([]),
+        st.just(["key"]),
+        st.just(["bogus"]),
     )
     return st.tuples(globals_, commands, globals_).map(lambda t: [*t[0], *t[1], *t[2]])
 
@@ -161,8 +197,11 @@ def check(code: int, out: str, err: str, what: Any) -> None:
 
 
 # --------------------------------------------------------------------------
-@settings(max_examples=400, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_generated_command_lines_in_process(world: World, data: st.DataObject) -> None:
     from vault.cli import cli
@@ -189,8 +228,11 @@ def _encodable(args: list[str], env: dict[str, str | None]) -> bool:
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_generated_command_lines_in_subprocesses(world: World, data: st.DataObject) -> None:
     args = data.draw(command_lines(world), label="args")
@@ -199,6 +241,13 @@ def test_generated_command_lines_in_subprocesses(world: World, data: st.DataObje
         return
     full = {k: v for k, v in os.environ.items() if env.get(k, v) is not None}
     full.update({k: v for k, v in env.items() if v is not None})
-    proc = subprocess.run([sys.executable, "-m", "vault", *args], input="", capture_output=True,
-                          text=True, env=full, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vault", *args],
+        input="",
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=120,
+        cwd=ROOT,
+    )
     check(proc.returncode, proc.stdout, proc.stderr, (args, env))

@@ -64,8 +64,10 @@ class BigVault:
 
 
 def _item(rng: random.Random, sid: str, i: int) -> dict[str, Any]:
-    words = " ".join(rng.choice(["alpha", "bravo", "charlie", "delta", "echo", "fox"])
-                     for _ in range(rng.randrange(3, 30)))
+    words = " ".join(
+        rng.choice(["alpha", "bravo", "charlie", "delta", "echo", "fox"])
+        for _ in range(rng.randrange(3, 30))
+    )
     role = "user" if i % 2 == 0 else "assistant"
     return {"role": role, "content": f"{sid} turn {i}: {words}"}
 
@@ -179,7 +181,9 @@ def bystander(db: Path) -> Iterator[None]:
     to close would checkpoint and delete the WAL by itself, hiding a scrub left undone."""
     proc = subprocess.Popen(
         [sys.executable, "-c", BYSTANDER, str(db)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -206,8 +210,10 @@ def _check_after_kill(big: BigVault, label: str) -> Outcome:
         # What the keyring held (names and key ids, never the keys): tells a keyring that
         # lost or doubled an entry apart from memvault misjudging a healthy one.
         held = {name: crypto.key_id(key) for name, key in vault_entries(big.vault_id).items()}
-        pytest.fail(f"{label}: key {doc['key']!r}: {doc.get('key_problem')}; file kid "
-                    f"{doc.get('kid')}; keyring held {held}; pending before: {pending_before}")
+        pytest.fail(
+            f"{label}: key {doc['key']!r}: {doc.get('key_problem')}; file kid "
+            f"{doc.get('kid')}; keyring held {held}; pending before: {pending_before}"
+        )
     assert doc["items"] == N_ITEMS and doc["readable"] == N_ITEMS, (label, doc)
     assert doc["unreadable"] == 0 and doc["expired"] == 0, (label, doc)
     assert doc["sessions"] == N_SESSIONS, (label, doc)
@@ -283,7 +289,10 @@ ROTATOR = textwrap.dedent(
 def start_rotator(db: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", ROTATOR, str(db)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
         env={k: v for k, v in os.environ.items() if k != "MEMVAULT_FAILPOINT"},
     )
     assert proc.stdout is not None
@@ -295,8 +304,11 @@ def start_rotator(db: Path) -> subprocess.Popen[str]:
     return proc
 
 
-def kill_when(proc: subprocess.Popen[str], reached: Callable[[str, float], bool],
-              then_wait: Callable[[dict[str, float]], float]) -> str:
+def kill_when(
+    proc: subprocess.Popen[str],
+    reached: Callable[[str, float], bool],
+    then_wait: Callable[[dict[str, float]], float],
+) -> str:
     """SIGKILL the rotator once its progress reaches a point (plus a wait derived
     from the marks seen); returns the last progress line read."""
     assert proc.stdout is not None
@@ -340,17 +352,26 @@ def test_sigkill_at_random_instants(big: BigVault) -> None:
     targets = []
     for i in range(before):
         rows = max(PROGRESS_EVERY, int((i + rng.random()) / before * N_ITEMS * 0.9))
-        targets.append((f"after {rows} rows",
-                        lambda name, v, rows=rows: name == "rows" and v >= rows,
-                        lambda seen: 0.0))
+        targets.append(
+            (
+                f"after {rows} rows",
+                lambda name, v, rows=rows: name == "rows" and v >= rows,
+                lambda seen: 0.0,
+            )
+        )
     for i in range(after):
-        step, following = (("after-commit", "after-promotion") if i % 2 == 0
-                           else ("after-promotion", "done"))
+        step, following = (
+            ("after-commit", "after-promotion") if i % 2 == 0 else ("after-promotion", "done")
+        )
         share = (i // 2 + rng.random()) / ((after + 1) // 2)
         span = marks[following] - marks[step]
-        targets.append((f"{share:.2f} of the way from {step}",
-                        lambda name, v, step=step: name == step,
-                        lambda seen, share=share, span=span: share * span))
+        targets.append(
+            (
+                f"{share:.2f} of the way from {step}",
+                lambda name, v, step=step: name == step,
+                lambda seen, share=share, span=span: share * span,
+            )
+        )
     outcomes: collections.Counter[str] = collections.Counter()
     killed = 0
     for i, (where, reached, then_wait) in enumerate(targets):
@@ -368,7 +389,7 @@ def test_sigkill_at_random_instants(big: BigVault) -> None:
         else:
             outcomes["committed, not promoted" if o.pending_before else "promoted"] += 1
 
-    summary = (f"seed={seed} marks={marks} killed={killed} outcomes={dict(outcomes)}")
+    summary = f"seed={seed} marks={marks} killed={killed} outcomes={dict(outcomes)}"
     print(summary)
     # The kills really landed inside the rotation, on both sides of its commit.
     assert killed >= N_RANDOM_KILLS // 2, summary
@@ -440,9 +461,16 @@ def _revoke_hook(big: BigVault, results: list[Any]) -> Callable[[], None]:
     def hook() -> None:
         if not results:
             results.append(
-                run_cli("--db", str(big.db), "--json", "revoke", "--yes",
-                        env={"MEMVAULT_LOCK_TIMEOUT": "2"})
+                run_cli(
+                    "--db",
+                    str(big.db),
+                    "--json",
+                    "revoke",
+                    "--yes",
+                    env={"MEMVAULT_LOCK_TIMEOUT": "2"},
+                )
             )
+
     return hook
 
 

@@ -85,32 +85,41 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     v = Vault.init(db, ttl=TTL)
     sealer = v.sealer()
     now = int(time.time())
-    readable = {sid: [{"role": "user", "content": f"{sid} {i} " + "z" * 300} for i in range(30)]
-                for sid in SESSIONS}
+    readable = {
+        sid: [{"role": "user", "content": f"{sid} {i} " + "z" * 300} for i in range(30)]
+        for sid in SESSIONS
+    }
     old = [{"role": "user", "content": f"old {i}"} for i in range(40)]
     rows = [r for sid, items in readable.items() for r in _seal_rows(sealer, sid, items, now)]
     rows += _seal_rows(sealer, "old", old, now - 40 * 86400)  # past the TTL: purge's work
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
-        conn.executemany("INSERT INTO agent_sessions (session_id) VALUES (?)",
-                         [(s,) for s in [*SESSIONS, "old"]])
-        conn.executemany("INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
-                         rows)
-    assert run_cli("--db", str(db), "key", "export", str(folder / "kit.json"),
-                   input=PASS + "\n").code == 0
+        conn.executemany(
+            "INSERT INTO agent_sessions (session_id) VALUES (?)", [(s,) for s in [*SESSIONS, "old"]]
+        )
+        conn.executemany(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", rows
+        )
+    assert (
+        run_cli("--db", str(db), "key", "export", str(folder / "kit.json"), input=PASS + "\n").code
+        == 0
+    )
     # An agent dies with its acknowledged items in the WAL...
     acked = run_writer_to_death(db, "agent", 0, AGENT_ACKS, ITEM_SIZE)
     assert acked == AGENT_ACKS
     readable["agent"] = writer_items("agent", 0, acked, ITEM_SIZE)
     # ...and a big transaction lands in the WAL after it, never checkpointed.
-    bulk = [{"role": "assistant", "content": f"bulk {i} " + "y" * BULK_SIZE}
-            for i in range(BULK_ITEMS)]
+    bulk = [
+        {"role": "assistant", "content": f"bulk {i} " + "y" * BULK_SIZE} for i in range(BULK_ITEMS)
+    ]
     readable["bulk"] = bulk
     conn = sqlite3.connect(db, isolation_level=None)
     conn.execute("PRAGMA wal_autocheckpoint = 0")
     conn.execute("BEGIN IMMEDIATE")
     conn.execute("INSERT INTO agent_sessions (session_id) VALUES ('bulk')")
-    conn.executemany("INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
-                     _seal_rows(sealer, "bulk", bulk, now))
+    conn.executemany(
+        "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
+        _seal_rows(sealer, "bulk", bulk, now),
+    )
     conn.execute("COMMIT")
     # The files as a crash would leave them (the connection is still open).
     files = {p.name: p.read_bytes() for p in (db, wal_of(db))}
@@ -118,9 +127,16 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     plain = folder / "plain.db"
     make_plain(plain, "imported", 30)
     yield Image(
-        db=db, files=files, vault_id=v.vault_id, key=sealer.master_key, kit=folder / "kit.json",
-        plain=plain, plain_bytes=plain.read_bytes(), readable=readable,
-        rows=sum(len(x) for x in readable.values()) + len(old), expired_rows=len(old),
+        db=db,
+        files=files,
+        vault_id=v.vault_id,
+        key=sealer.master_key,
+        kit=folder / "kit.json",
+        plain=plain,
+        plain_bytes=plain.read_bytes(),
+        readable=readable,
+        rows=sum(len(x) for x in readable.values()) + len(old),
+        expired_rows=len(old),
         imported=[{"role": "user", "content": f"plain {i}"} for i in range(30)],
     )
     with contextlib.suppress(Exception):
@@ -179,19 +195,40 @@ def commands(img: Image) -> dict[str, Command]:
         "ttl set": Command(["ttl", "35d"]),  # the old items stay expired
         "pop": Command(["pop", "s1", "-n", "2"], kind="pop", random_kills=2),
         "clear": Command(["clear", "s2", "--yes"], kind="clear", random_kills=2),
-        "purge": Command(["purge", "--yes"], failpoints=("purge-in-transaction",),
-                         kind="purge", random_kills=2),
-        "rotate": Command(["rotate"], random_kills=2, failpoints=(
-            "after-pending", "in-transaction", "after-commit", "after-promotion",
-            "during-scrub")),
-        "revoke": Command(["revoke", "--yes"], kind="revoke", random_kills=2,
-                          failpoints=("revoke-after-mark", "revoke-after-pending")),
-        "import": Command(["import", str(img.plain)], kind="import", random_kills=2,
-                          failpoints=("import-in-transaction",)),
+        "purge": Command(
+            ["purge", "--yes"], failpoints=("purge-in-transaction",), kind="purge", random_kills=2
+        ),
+        "rotate": Command(
+            ["rotate"],
+            random_kills=2,
+            failpoints=(
+                "after-pending",
+                "in-transaction",
+                "after-commit",
+                "after-promotion",
+                "during-scrub",
+            ),
+        ),
+        "revoke": Command(
+            ["revoke", "--yes"],
+            kind="revoke",
+            random_kills=2,
+            failpoints=("revoke-after-mark", "revoke-after-pending"),
+        ),
+        "import": Command(
+            ["import", str(img.plain)],
+            kind="import",
+            random_kills=2,
+            failpoints=("import-in-transaction",),
+        ),
         "key export": Command(["key", "export", exported], stdin=PASS + "\n"),
         "key import": Command(["key", "import", kit, "--yes"], stdin=PASS + "\n"),
-        "shred": Command(["shred", "--yes"], kind="shred", random_kills=2, failpoints=(
-            "shred-after-key", "shred-after-rows", "shred-during-overwrite")),
+        "shred": Command(
+            ["shred", "--yes"],
+            kind="shred",
+            random_kills=2,
+            failpoints=("shred-after-key", "shred-after-rows", "shred-during-overwrite"),
+        ),
     }
 
 
@@ -230,8 +267,11 @@ def check(img: Image, cmd: Command, label: str) -> str:
     rows_after = img.rows + sum(map(len, done.values())) - sum(map(len, want.values()))
     if cmd.kind == "purge":
         rows_after -= img.expired_rows
-    sides = [side for side, expected, n in (("before", want, img.rows), ("after", done, rows_after))
-             if got == expected and rows == n]
+    sides = [
+        side
+        for side, expected, n in (("before", want, img.rows), ("after", done, rows_after))
+        if got == expected and rows == n
+    ]
     assert sides, (label, rows, {s: len(v) for s, v in got.items()})
     return sides[-1]
 
@@ -258,8 +298,12 @@ def spawn(img: Image, cmd: Command, env: dict[str, str] | None = None) -> subpro
     with open(stdin) as fh:
         return subprocess.Popen(
             [sys.executable, "-m", "vault", "--db", str(img.db), *cmd.args],
-            stdin=fh, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            cwd=ROOT, env=full,
+            stdin=fh,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=full,
         )
 
 

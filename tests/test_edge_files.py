@@ -120,8 +120,13 @@ def test_import_shred_source_refuses_a_linked_side_file(
         shm.unlink()
     shm.symlink_to(target)
     before = src.read_bytes()
-    one_line(run_cli("import", str(src), "--shred-source", "--yes"), 1, shm.name,
-             "symbolic link", "nothing was imported")
+    one_line(
+        run_cli("import", str(src), "--shred-source", "--yes"),
+        1,
+        shm.name,
+        "symbolic link",
+        "nothing was imported",
+    )
     assert target.read_bytes() == VICTIM_TEXT
     assert src.read_bytes() == before and shm.is_symlink()
     assert vault.session_ids() == []
@@ -193,8 +198,7 @@ def test_existing_receipt_is_never_replaced(vault: Any, vault_db: Path, tmp_path
     old.write_text("an earlier receipt\n")
     old.chmod(0o644)
     before = raw_bytes(vault_db)
-    one_line(run_cli("shred", "--yes", "--receipt", str(old)), 2, "already exists",
-             "new file name")
+    one_line(run_cli("shred", "--yes", "--receipt", str(old)), 2, "already exists", "new file name")
     assert old.read_text() == "an earlier receipt\n"
     _intact(vault, vault_db, before)
     # A new name works, and the receipt is 0600 whatever the umask.
@@ -205,20 +209,23 @@ def test_existing_receipt_is_never_replaced(vault: Any, vault_db: Path, tmp_path
     assert json.loads(new.read_text())["items"] == 1
 
 
-def test_receipt_in_a_missing_folder_destroys_nothing(vault: Any, vault_db: Path,
-                                                      tmp_path: Path) -> None:
+def test_receipt_in_a_missing_folder_destroys_nothing(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     add_items(vault_db, "s", [user("x")])
     before = raw_bytes(vault_db)
-    one_line(run_cli("shred", "--yes", "--receipt", str(tmp_path / "no-such-dir" / "r.json")),
-             2, "does not exist")
+    one_line(
+        run_cli("shred", "--yes", "--receipt", str(tmp_path / "no-such-dir" / "r.json")),
+        2,
+        "does not exist",
+    )
     _intact(vault, vault_db, before)
 
 
 # --------------------------------------------------------------------------
 # Damaged vaults
 # --------------------------------------------------------------------------
-def test_shred_of_a_truncated_vault_destroys_its_key_and_files(vault: Any,
-                                                                vault_db: Path) -> None:
+def test_shred_of_a_truncated_vault_destroys_its_key_and_files(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("y" * 3000) for _ in range(20)])
     checkpoint(vault_db)
     vid = vault.vault_id
@@ -248,8 +255,7 @@ def test_shred_of_a_vault_with_a_damaged_page_one(vault: Any, vault_db: Path) ->
     assert gone(vault_db)
 
 
-def test_shred_of_a_vault_too_damaged_to_name_its_key_says_so(vault: Any,
-                                                               vault_db: Path) -> None:
+def test_shred_of_a_vault_too_damaged_to_name_its_key_says_so(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("z")])
     checkpoint(vault_db)
     vid = vault.vault_id
@@ -274,8 +280,9 @@ def test_shred_of_a_plain_file_still_refuses(vault_db: Path) -> None:
 # --------------------------------------------------------------------------
 # Refused shreds leave nothing behind; interrupted ones show
 # --------------------------------------------------------------------------
-def test_shred_refused_by_the_keyring_leaves_no_marker(vault: Any, vault_db: Path,
-                                                       tmp_path: Path) -> None:
+def test_shred_refused_by_the_keyring_leaves_no_marker(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     add_items(vault_db, "s", [user("a"), user("b")])
     one_line(run_cli("shred", "--yes", env=FAIL_KEYRING), 4, "keyring")
     assert "shred_started" not in meta(vault_db)

@@ -232,9 +232,7 @@ def test_reads_during_rotations_in_another_process_see_no_tampering(
 
 
 # -- 5. an open agent session sees TTL changes, and never re-creates a shredded vault
-def test_open_session_sees_a_shorter_ttl_set_by_another_process(
-    vault: Any, vault_db: Path
-) -> None:
+def test_open_session_sees_a_shorter_ttl_set_by_another_process(vault: Any, vault_db: Path) -> None:
     assert run_cli("ttl", "3h").code == 0
     insert_sealed(vault_db, "s", [user("two hours old")], int(time.time()) - 7200)
     insert_sealed(vault_db, "s", [user("fresh")])
@@ -290,8 +288,11 @@ class _Compactor:
 
     async def compact(self, **kwargs: Any) -> Any:
         self.calls.append(kwargs)
-        summary = {"type": "message", "role": "assistant",
-                   "content": [{"type": "output_text", "text": "summary", "annotations": []}]}
+        summary = {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "summary", "annotations": []}],
+        }
         return SimpleNamespace(output=[summary], usage=None)
 
 
@@ -350,4 +351,3 @@ def test_garbage_ttl_in_the_file_is_one_clear_line(vault: Any, vault_db: Path, r
     assert rows(vault_db, "s")  # nothing was deleted
     assert run_cli("ttl", "30d").code == 0
     assert run_cli("show", "s").code == 0
-

@@ -96,12 +96,26 @@ def test_readme_main_job_runs_where_keyring_would_pick_a_plaintext_file(tmp_path
 
     home = tmp_path / "home"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DBUS_SESSION_BUS_ADDRESS", "PYTHON_KEYRING_BACKEND",
-                        "MEMVAULT_IN_PRIVATE_KEYRING", "GNOME_KEYRING_CONTROL")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "DBUS_SESSION_BUS_ADDRESS",
+            "PYTHON_KEYRING_BACKEND",
+            "MEMVAULT_IN_PRIVATE_KEYRING",
+            "GNOME_KEYRING_CONTROL",
+        )
+    }
     env.update(HOME=str(home), XDG_DATA_HOME=str(home / ".local" / "share"), TMPDIR=str(tmp_path))
-    proc = subprocess.run([str(ROOT / "scripts" / "demo")], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=900)
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "demo")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "all checks passed" in proc.stdout
     assert "private throwaway Secret Service" in proc.stderr

@@ -39,8 +39,9 @@ def make_plain(
 
     async def go() -> None:
         for sid, items in sessions.items():
-            s = SQLiteSession(sid, path, sessions_table=sessions_table,
-                              messages_table=messages_table)
+            s = SQLiteSession(
+                sid, path, sessions_table=sessions_table, messages_table=messages_table
+            )
             for item in items:  # one add per item: ids follow the order, as in a chat
                 await s.add_items([item])
             s.close()
@@ -48,13 +49,16 @@ def make_plain(
     asyncio.run(go())
 
 
-def read_plain(path: Path, sid: str, sessions_table: str = "agent_sessions",
-               messages_table: str = "agent_messages") -> list[Any]:
+def read_plain(
+    path: Path,
+    sid: str,
+    sessions_table: str = "agent_sessions",
+    messages_table: str = "agent_messages",
+) -> list[Any]:
     from agents import SQLiteSession
 
     async def go() -> list[Any]:
-        s = SQLiteSession(sid, path, sessions_table=sessions_table,
-                          messages_table=messages_table)
+        s = SQLiteSession(sid, path, sessions_table=sessions_table, messages_table=messages_table)
         try:
             return list(await s.get_items())
         finally:
@@ -97,8 +101,9 @@ def source_files(src: Path) -> list[Path]:
 
 
 # --------------------------------------------------------------------------
-def test_import_everything_keeps_order_and_counts(vault: Any, vault_db: Path,
-                                                   tmp_path: Path) -> None:
+def test_import_everything_keeps_order_and_counts(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     src = tmp_path / "carnet.db"
     make_plain(src, CARNET)
     before = src.read_bytes()
@@ -108,7 +113,9 @@ def test_import_everything_keeps_order_and_counts(vault: Any, vault_db: Path,
     report = r.json()
     assert report["items"] == 8
     assert {s["session_id"]: s["items"] for s in report["sessions"]} == {
-        "carnet-local": 6, "autre-session": 2}
+        "carnet-local": 6,
+        "autre-session": 2,
+    }
     assert report["tables"] == {"sessions": "agent_sessions", "messages": "agent_messages"}
     assert report["source_shredded"] is None
 
@@ -120,8 +127,9 @@ def test_import_everything_keeps_order_and_counts(vault: Any, vault_db: Path,
     assert "Zèbre".encode() not in raw_bytes(vault_db)
     kid = vault.meta()["kid"]
     with sqlite3.connect(vault_db) as conn:
-        kids = {json.loads(d)["kid"] for (d,) in conn.execute(
-            "SELECT message_data FROM agent_messages")}
+        kids = {
+            json.loads(d)["kid"] for (d,) in conn.execute("SELECT message_data FROM agent_messages")
+        }
     assert kids == {kid}
     # The source is left as it was (without --shred-source).
     assert src.read_bytes() == before
@@ -136,8 +144,9 @@ def test_import_everything_keeps_order_and_counts(vault: Any, vault_db: Path,
     assert human.code == 0 and "import" in human.out
 
 
-def test_human_output_and_new_session_keeps_working(vault: Any, vault_db: Path,
-                                                    tmp_path: Path) -> None:
+def test_human_output_and_new_session_keeps_working(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     src = tmp_path / "carnet.db"
     make_plain(src, {"carnet-local": CARNET["carnet-local"]})
     r = run_cli("import", str(src))
@@ -146,8 +155,10 @@ def test_human_output_and_new_session_keeps_working(vault: Any, vault_db: Path,
     assert "verified" in r.out
     # An agent keeps writing to the imported session through the vault.
     add_items(vault_db, "carnet-local", [user("after the import")])
-    assert vault_items(vault_db, "carnet-local") == [*CARNET["carnet-local"],
-                                                     user("after the import")]
+    assert vault_items(vault_db, "carnet-local") == [
+        *CARNET["carnet-local"],
+        user("after the import"),
+    ]
 
 
 def test_custom_table_names_are_detected(vault: Any, vault_db: Path, tmp_path: Path) -> None:
@@ -163,8 +174,12 @@ def test_custom_table_names_are_detected(vault: Any, vault_db: Path, tmp_path: P
 def test_several_table_pairs_need_naming(vault: Any, vault_db: Path, tmp_path: Path) -> None:
     src = tmp_path / "app.db"
     make_plain(src, {"default-one": [user("in the default tables")]})
-    make_plain(src, {"custom-one": [user("in the custom tables")]},
-               sessions_table="my_sessions", messages_table="my_messages")
+    make_plain(
+        src,
+        {"custom-one": [user("in the custom tables")]},
+        sessions_table="my_sessions",
+        messages_table="my_messages",
+    )
 
     r = run_cli("import", str(src))
     assert r.code == 1, r
@@ -172,8 +187,9 @@ def test_several_table_pairs_need_naming(vault: Any, vault_db: Path, tmp_path: P
     assert "several" in err and "my_sessions/my_messages" in err
     assert vault.session_ids() == []
 
-    r = run_cli("import", str(src), "--sessions-table", "my_sessions",
-                "--messages-table", "my_messages")
+    r = run_cli(
+        "import", str(src), "--sessions-table", "my_sessions", "--messages-table", "my_messages"
+    )
     assert r.code == 0, r
     assert vault.session_ids() == ["custom-one"]
     assert vault_items(vault_db, "custom-one") == [user("in the custom tables")]
@@ -202,8 +218,7 @@ def test_one_session(vault: Any, vault_db: Path, tmp_path: Path) -> None:
     assert vault.session_ids() == ["autre-session"]
 
 
-def test_refuses_a_session_already_in_the_vault(vault: Any, vault_db: Path,
-                                                tmp_path: Path) -> None:
+def test_refuses_a_session_already_in_the_vault(vault: Any, vault_db: Path, tmp_path: Path) -> None:
     add_items(vault_db, "carnet-local", [user("the vault's own item")])
     src = tmp_path / "carnet.db"
     make_plain(src, CARNET)
@@ -220,8 +235,9 @@ def test_refuses_a_session_already_in_the_vault(vault: Any, vault_db: Path,
     assert r.code == 0, r
 
 
-def test_refuses_what_is_not_a_plaintext_sqlitesession_file(vault: Any, vault_db: Path,
-                                                            tmp_path: Path) -> None:
+def test_refuses_what_is_not_a_plaintext_sqlitesession_file(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     text = tmp_path / "notes.txt"
     text.write_text("hello, not a database\n")
     r = run_cli("import", str(text))
@@ -257,8 +273,12 @@ def test_refuses_what_is_not_a_plaintext_sqlitesession_file(vault: Any, vault_db
     enc_path = tmp_path / "encrypted.db"
 
     async def write_encrypted() -> None:
-        s = EncryptedSession(session_id="enc", underlying_session=SQLiteSession("enc", enc_path),
-                             encryption_key=Fernet.generate_key().decode(), ttl=600)
+        s = EncryptedSession(
+            session_id="enc",
+            underlying_session=SQLiteSession("enc", enc_path),
+            encryption_key=Fernet.generate_key().decode(),
+            ttl=600,
+        )
         await s.add_items([user("sealed by the SDK")])
         s.underlying_session.close()
 
@@ -283,18 +303,20 @@ def test_refuses_what_is_not_a_plaintext_sqlitesession_file(vault: Any, vault_db
     assert vault.count_items() == 0
 
 
-def test_a_killed_import_never_leaves_half_a_session(vault: Any, vault_db: Path,
-                                                     tmp_path: Path) -> None:
+def test_a_killed_import_never_leaves_half_a_session(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     """SIGKILL after the first batch of a 1200-item session: that session is absent."""
     src = tmp_path / "big.db"
-    big = [user(f"{MARK} item {i}") if i % 2 == 0 else assistant(f"reply {i}")
-           for i in range(1200)]
+    big = [user(f"{MARK} item {i}") if i % 2 == 0 else assistant(f"reply {i}") for i in range(1200)]
     make_plain(src, {"a-small": [user("small one")]})
     conn = sqlite3.connect(src)  # faster than 1200 SDK calls, same rows the SDK writes
     with conn:
         conn.execute("INSERT INTO agent_sessions (session_id) VALUES ('b-big')")
-        conn.executemany("INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
-                         [("b-big", json.dumps(i)) for i in big])
+        conn.executemany(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
+            [("b-big", json.dumps(i)) for i in big],
+        )
     conn.close()
     assert read_plain(src, "b-big") == big
 
@@ -305,8 +327,13 @@ def test_a_killed_import_never_leaves_half_a_session(vault: Any, vault_db: Path,
 
     r = run_cli("import", str(src), "--session", "a-small")
     assert r.code == 0, r
-    r = run_cli("import", str(src), "--session", "b-big",
-                env={"MEMVAULT_FAILPOINT": "import-in-transaction"})
+    r = run_cli(
+        "import",
+        str(src),
+        "--session",
+        "b-big",
+        env={"MEMVAULT_FAILPOINT": "import-in-transaction"},
+    )
     assert r.code == -9, r
     assert vault.session_ids() == ["a-small"]  # nothing of b-big, not one row
     assert vault.count_items() == 1
@@ -329,12 +356,17 @@ def _crashed_writer(path: Path, items: list[Any]) -> None:
         "    os._exit(0)\n"
         "asyncio.run(go())\n"
     )
-    subprocess.run([sys.executable, "-c", code, str(path), json.dumps(items)], check=True,
-                   cwd=ROOT, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", code, str(path), json.dumps(items)],
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
-def test_shred_source_leaves_no_file_and_no_plaintext(vault: Any, vault_db: Path,
-                                                      tmp_path: Path) -> None:
+def test_shred_source_leaves_no_file_and_no_plaintext(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     src = tmp_path / "src" / "carnet.db"
     src.parent.mkdir()
     items = [user(f"{MARK} secret {i}") for i in range(5)]
@@ -389,11 +421,17 @@ def test_shred_source_refusals(vault: Any, vault_db: Path, tmp_path: Path) -> No
 
     # The source is still open in another process (an agent): busy, exit 5.
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sqlite3, sys, time\n"
-         "c = sqlite3.connect(sys.argv[1]); c.execute('SELECT count(*) FROM agent_messages')\n"
-         "print('open', flush=True); time.sleep(60)\n", str(src)],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            "c = sqlite3.connect(sys.argv[1]); c.execute('SELECT count(*) FROM agent_messages')\n"
+            "print('open', flush=True); time.sleep(60)\n",
+            str(src),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
         r = run_cli("import", str(src), "--shred-source", "--yes")
@@ -415,9 +453,9 @@ def test_shred_source_refusals(vault: Any, vault_db: Path, tmp_path: Path) -> No
     assert read_plain(src, "autre-session") == CARNET["autre-session"]
 
 
-def test_verification_failure_rolls_the_session_back(vault: Any, vault_db: Path,
-                                                     tmp_path: Path,
-                                                     monkeypatch: Any) -> None:
+def test_verification_failure_rolls_the_session_back(
+    vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
     """If what the vault holds differs from the source, the session is rolled back.
 
     The only in-process test here: a sealer that silently alters one item stands in for
@@ -456,8 +494,9 @@ def test_progress_bar_on_a_terminal(vault: Any, vault_db: Path, tmp_path: Path) 
     assert vault_items(vault_db, "carnet-local") == CARNET["carnet-local"]
 
 
-def test_help_has_an_example_and_import_does_not_load_the_sdk(vault: Any, vault_db: Path,
-                                                              tmp_path: Path) -> None:
+def test_help_has_an_example_and_import_does_not_load_the_sdk(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     r = run_cli("import", "--help")
     assert r.code == 0 and "Example" in r.out and "memvault import carnet.db" in r.out
 
@@ -470,8 +509,9 @@ def test_help_has_an_example_and_import_does_not_load_the_sdk(vault: Any, vault_
         "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
         "print(sorted(m for m in sys.modules if m == 'agents' or m.startswith('agents.')))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
     assert vault.session_ids() == ["autre-session", "carnet-local"]

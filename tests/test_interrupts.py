@@ -41,8 +41,13 @@ def rotate_until_paused(step: str) -> subprocess.Popen[str]:
     env = dict(os.environ, MEMVAULT_PAUSEPOINT=step)
     proc = subprocess.Popen(
         [sys.executable, "-m", "vault", "rotate"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env, cwd=ROOT, preexec_fn=default_sigint,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=default_sigint,
     )
     assert proc.stderr is not None
     deadline = time.monotonic() + 120  # generous: the step is reached by progress, not time
@@ -112,8 +117,9 @@ def test_ctrl_c_after_the_rotation_committed_says_so(vault: Any, vault_db: Path)
 
 def test_ctrl_c_at_the_passphrase_prompt(vault: Any, tmp_path: Path) -> None:
     kit = tmp_path / "kit.json"
-    code, out = run_on_terminal(["key", "export", str(kit)],
-                                [(b"Recovery kit passphrase:", "\x03")])
+    code, out = run_on_terminal(
+        ["key", "export", str(kit)], [(b"Recovery kit passphrase:", "\x03")]
+    )
     assert code == 130, out
     assert b"memvault: error: interrupted at the passphrase prompt; nothing was changed" in out
     assert b"aborted" not in out and b"Traceback" not in out
@@ -132,8 +138,9 @@ def test_ctrl_c_at_a_confirmation_is_not_a_refusal(vault: Any, vault_db: Path) -
     assert vault.sealer(refresh=True)
 
 
-def test_ctrl_c_at_the_chat_prompt(vault: Any, vault_db: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_at_the_chat_prompt(
+    vault: Any, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_items(vault_db, "carnet", [user("hello"), assistant("hi")])
     monkeypatch.setenv("MEMVAULT_CHAT_TEST_MODEL", "tests.test_chat:scripted_model")
     code, out = run_on_terminal(["chat", "carnet"], [(b"you> ", "\x03")])

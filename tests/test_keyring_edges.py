@@ -23,15 +23,22 @@ PLAINTEXT = "keyrings.alt.file.PlaintextKeyring"
 
 
 def run(
-    *args: str, set_env: dict[str, str] | None = None, unset: tuple[str, ...] = (),
+    *args: str,
+    set_env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
     timeout: float = 90,
 ) -> CLIResult:
     """`python -m vault ARGS` in a subprocess, with variables set and removed."""
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(set_env or {})
     proc = subprocess.run(
-        [sys.executable, "-m", "vault", *args], input="", capture_output=True, text=True,
-        env=env, timeout=timeout, cwd=ROOT,
+        [sys.executable, "-m", "vault", *args],
+        input="",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
     )
     return CLIResult(proc)
 
@@ -65,9 +72,13 @@ def test_no_dbus_session_says_what_is_missing_and_how_to_start_one(
 ) -> None:
     before = raw_bytes(filled)
     for args in COMMANDS:
-        one_line(run(*args, unset=("DBUS_SESSION_BUS_ADDRESS",)), 4,
-                 "DBUS_SESSION_BUS_ADDRESS is not set", "dbus-run-session",
-                 "gnome-keyring-daemon --unlock")
+        one_line(
+            run(*args, unset=("DBUS_SESSION_BUS_ADDRESS",)),
+            4,
+            "DBUS_SESSION_BUS_ADDRESS is not set",
+            "dbus-run-session",
+            "gnome-keyring-daemon --unlock",
+        )
     new = tmp_path / "new" / "h.db"
     one_line(run("--db", str(new), "init", unset=("DBUS_SESSION_BUS_ADDRESS",)), 4, "D-Bus")
     assert not new.exists()
@@ -81,8 +92,13 @@ def test_an_unreachable_bus_address_is_named_with_the_fix(
     address = address.format(tmp=tmp_path)
     before = raw_bytes(filled)
     for args in COMMANDS:
-        one_line(run(*args, set_env={"DBUS_SESSION_BUS_ADDRESS": address}), 4,
-                 "cannot start", f"DBUS_SESSION_BUS_ADDRESS={address}", "dbus-run-session")
+        one_line(
+            run(*args, set_env={"DBUS_SESSION_BUS_ADDRESS": address}),
+            4,
+            "cannot start",
+            f"DBUS_SESSION_BUS_ADDRESS={address}",
+            "dbus-run-session",
+        )
     assert raw_bytes(filled) == before
 
 
@@ -100,8 +116,13 @@ def test_a_mistyped_backend_variable_is_named_with_its_value(
 ) -> None:
     env = {"PYTHON_KEYRING_BACKEND": value}
     for args in COMMANDS:
-        one_line(run(*args, set_env=env), 4, f"PYTHON_KEYRING_BACKEND={value!r}", problem,
-                 "keyring.backends.SecretService.Keyring")
+        one_line(
+            run(*args, set_env=env),
+            4,
+            f"PYTHON_KEYRING_BACKEND={value!r}",
+            problem,
+            "keyring.backends.SecretService.Keyring",
+        )
     new = tmp_path / "new" / "h.db"
     one_line(run("--db", str(new), "init", set_env=env), 4, "PYTHON_KEYRING_BACKEND")
     assert not new.exists()
@@ -112,11 +133,20 @@ def test_the_plaintext_backend_is_refused_and_writes_no_file(tmp_path: Path) -> 
     home = tmp_path / "home"
     home.mkdir()
     # The plaintext keyring writes under XDG_DATA_HOME (else HOME): both point here.
-    env = {"PYTHON_KEYRING_BACKEND": PLAINTEXT, "HOME": str(home),
-           "XDG_DATA_HOME": str(home / ".local" / "share")}
+    env = {
+        "PYTHON_KEYRING_BACKEND": PLAINTEXT,
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+    }
     db = tmp_path / "v" / "h.db"
-    line = one_line(run("--db", str(db), "init", set_env=env), 4, PLAINTEXT, "refuses",
-                    "unencrypted", "PYTHON_KEYRING_BACKEND selects it")
+    line = one_line(
+        run("--db", str(db), "init", set_env=env),
+        4,
+        PLAINTEXT,
+        "refuses",
+        "unencrypted",
+        "PYTHON_KEYRING_BACKEND selects it",
+    )
     assert "mv1:" not in line
     assert files_under(home) == []
     assert not db.exists() and not db.parent.exists()
@@ -127,13 +157,25 @@ def test_an_existing_vault_is_not_opened_through_the_plaintext_backend(
 ) -> None:
     # Even with the key copied into the plaintext file, memvault does not read it there.
     home = tmp_path / "home"
-    env = {"PYTHON_KEYRING_BACKEND": PLAINTEXT, "HOME": str(home),
-           "XDG_DATA_HOME": str(home / ".local" / "share")}
+    env = {
+        "PYTHON_KEYRING_BACKEND": PLAINTEXT,
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+    }
     planted = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import keyring
             keyring.set_password("memvault", {vault.vault_id!r}, {vault.sealer().master_key!r})
-        """)], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+        """),
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert planted.returncode == 0, planted.stderr
     plain = files_under(home)
     assert plain, "the plaintext keyring wrote nothing: the test would prove nothing"
@@ -148,12 +190,20 @@ def test_the_plaintext_backend_keyring_picks_by_itself_is_refused(
     # No session bus and no choice made: keyring falls back to keyrings.alt's plaintext file.
     home = tmp_path / "home"
     home.mkdir()
-    env = {"HOME": str(home), "XDG_DATA_HOME": str(home / "share"),
-           "XDG_CONFIG_HOME": str(home / "config")}
+    env = {
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / "share"),
+        "XDG_CONFIG_HOME": str(home / "config"),
+    }
     unset = ("DBUS_SESSION_BUS_ADDRESS", "PYTHON_KEYRING_BACKEND")
     new = tmp_path / "new" / "h.db"
-    one_line(run("--db", str(new), "init", set_env=env, unset=unset), 4, PLAINTEXT,
-             "keyring chose it", "DBUS_SESSION_BUS_ADDRESS is not set")
+    one_line(
+        run("--db", str(new), "init", set_env=env, unset=unset),
+        4,
+        PLAINTEXT,
+        "keyring chose it",
+        "DBUS_SESSION_BUS_ADDRESS is not set",
+    )
     one_line(run("show", "s", set_env=env, unset=unset), 4, PLAINTEXT, "refuses")
     assert files_under(home) == []
     assert not new.exists()
@@ -163,11 +213,18 @@ def test_a_chain_of_only_file_backends_is_refused(tmp_path: Path) -> None:
     # Without a session bus the chainer holds nothing but the plaintext file backend.
     home = tmp_path / "home"
     home.mkdir()
-    env = {"PYTHON_KEYRING_BACKEND": "keyring.backends.chainer.ChainerBackend",
-           "HOME": str(home), "XDG_DATA_HOME": str(home / "share")}
+    env = {
+        "PYTHON_KEYRING_BACKEND": "keyring.backends.chainer.ChainerBackend",
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / "share"),
+    }
     db = tmp_path / "v" / "h.db"
-    one_line(run("--db", str(db), "init", set_env=env, unset=("DBUS_SESSION_BUS_ADDRESS",)),
-             4, "refuses", PLAINTEXT)
+    one_line(
+        run("--db", str(db), "init", set_env=env, unset=("DBUS_SESSION_BUS_ADDRESS",)),
+        4,
+        "refuses",
+        PLAINTEXT,
+    )
     assert files_under(home) == []
     assert not db.exists()
 
@@ -178,8 +235,11 @@ def test_a_chain_keeps_the_key_only_in_the_backends_that_protect_it(
     # The Secret Service and the plaintext file are both chained: only the first is used.
     home = tmp_path / "home"
     home.mkdir()
-    env = {"PYTHON_KEYRING_BACKEND": "keyring.backends.chainer.ChainerBackend",
-           "HOME": str(home), "XDG_DATA_HOME": str(home / "share")}
+    env = {
+        "PYTHON_KEYRING_BACKEND": "keyring.backends.chainer.ChainerBackend",
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / "share"),
+    }
     r = run("--json", "init", set_env=env)
     assert r.code == 0, r
     made = r.json()
@@ -221,9 +281,19 @@ def test_a_stopped_keyring_daemon_is_exit_4_not_a_hang(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_IN_PRIVATE_KEYRING"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "with-keyring"), "bash", "-c", STOPPED_DAEMON, "x", str(ROOT),
-         str(tmp_path / "h.db")],
-        capture_output=True, text=True, env=env, timeout=240,
+        [
+            str(ROOT / "scripts" / "with-keyring"),
+            "bash",
+            "-c",
+            STOPPED_DAEMON,
+            "x",
+            str(ROOT),
+            str(tmp_path / "h.db"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
     )
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert err and err[-1] == "exit=4", proc.stderr  # `timeout` would make it 124
@@ -263,15 +333,17 @@ class SilentAtStart(Silent):
 
 @pytest.mark.parametrize(
     ("backend", "doing"),
-    [("silent.Silent", "read the vault key"),
-     ("silent.SilentAtStart", "find the keyring backend")],
+    [("silent.Silent", "read the vault key"), ("silent.SilentAtStart", "find the keyring backend")],
 )
 def test_a_backend_that_never_answers_is_given_up_on(
     filled: Path, tmp_path: Path, backend: str, doing: str
 ) -> None:
     (tmp_path / "silent.py").write_text(SILENT_BACKENDS)
-    env = {"PYTHON_KEYRING_BACKEND": backend, "PYTHONPATH": str(tmp_path),
-           "MEMVAULT_KEYRING_TIMEOUT": "1.5"}
+    env = {
+        "PYTHON_KEYRING_BACKEND": backend,
+        "PYTHONPATH": str(tmp_path),
+        "MEMVAULT_KEYRING_TIMEOUT": "1.5",
+    }
     before = raw_bytes(filled)
     for args in (["show", "s"], ["rotate"]):
         one_line(run(*args, set_env=env, timeout=60), 4, "did not answer within 1.5 s", doing)
@@ -283,8 +355,12 @@ def test_a_backend_that_never_answers_is_given_up_on(
 
 @pytest.mark.parametrize("value", ["abc", "inf", "nan", "-5", "0", "1e308", "10s"])
 def test_a_bad_keyring_timeout_is_a_usage_error(filled: Path, value: str) -> None:
-    one_line(run("sessions", set_env={"MEMVAULT_KEYRING_TIMEOUT": value}), 2,
-             f"MEMVAULT_KEYRING_TIMEOUT={value!r}", "unset it")
+    one_line(
+        run("sessions", set_env={"MEMVAULT_KEYRING_TIMEOUT": value}),
+        2,
+        f"MEMVAULT_KEYRING_TIMEOUT={value!r}",
+        "unset it",
+    )
 
 
 def test_a_sane_keyring_timeout_is_accepted(filled: Path) -> None:
@@ -323,9 +399,19 @@ def test_the_private_keyring_comes_back_unlocked_if_its_daemon_dies(tmp_path: Pa
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_IN_PRIVATE_KEYRING"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "with-keyring"), "bash", "-c", DAEMON_DIES, "x", str(ROOT),
-         str(tmp_path / "h.db")],
-        capture_output=True, text=True, env=env, timeout=240,
+        [
+            str(ROOT / "scripts" / "with-keyring"),
+            "bash",
+            "-c",
+            DAEMON_DIES,
+            "x",
+            str(ROOT),
+            str(tmp_path / "h.db"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
     )
     assert proc.stderr.strip().splitlines()[-1:] == ["exit=0"], proc.stderr
     assert proc.stdout.strip() == "no sessions", proc.stdout

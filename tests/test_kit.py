@@ -238,8 +238,9 @@ def test_import_leaves_a_working_key_alone(vault: Any, tmp_path: Path) -> None:
     no_secret(key, r)
 
 
-def test_import_replaces_a_key_that_does_not_open_the_vault(vault: Any, vault_db: Path,
-                                                            tmp_path: Path) -> None:
+def test_import_replaces_a_key_that_does_not_open_the_vault(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     from vault import crypto
 
     add_items(vault_db, "carnet-local", HISTORY)
@@ -317,8 +318,7 @@ def test_terminal_asks_twice_and_hides_the_passphrase(vault: Any, tmp_path: Path
     assert stat.S_IMODE(kit.stat().st_mode) == 0o600
 
     assert vault.keystore.delete(vault.vault_id)
-    code, out = run_on_terminal(["key", "import", str(kit)],
-                                [(b"Recovery kit passphrase: ", PASS)])
+    code, out = run_on_terminal(["key", "import", str(kit)], [(b"Recovery kit passphrase: ", PASS)])
     assert code == 0, out
     assert b"restored key" in out and b"Repeat" not in out
     assert vault.keystore.get(vault.vault_id) == key

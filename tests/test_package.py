@@ -42,9 +42,21 @@ def test_the_sdk_is_pinned_below_its_next_minor_version() -> None:
 def test_wheel_installs_a_working_typed_command_with_its_licence(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(wheels), str(ROOT)],
-        check=True, capture_output=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
     (wheel,) = wheels.glob("memvault-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -55,17 +67,34 @@ def test_wheel_installs_a_working_typed_command_with_its_licence(tmp_path: Path)
     # copy is the one that runs, and it reports the version from its own metadata.
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-         str(wheel)],
-        check=True, capture_output=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
     assert (target / "vault" / "py.typed").is_file()
-    probe = "import vault, sys; print(vault.__file__); sys.argv=['memvault','--version']; " \
-            "from vault.cli import main; main()"
+    probe = (
+        "import vault, sys; print(vault.__file__); sys.argv=['memvault','--version']; "
+        "from vault.cli import main; main()"
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=env,
-        cwd=tmp_path, timeout=120,
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     where, said = out.stdout.splitlines()

@@ -37,9 +37,7 @@ def test_shred_resumed_after_interruption_leaves_hard_linked_files_intact(
     assert not vault_db.with_name(vault_db.name + suffix).exists()
 
 
-def test_status_refuses_a_hard_link_at_shm_without_touching_it(
-    cli: Any, vault_db: Path
-) -> None:
+def test_status_refuses_a_hard_link_at_shm_without_touching_it(cli: Any, vault_db: Path) -> None:
     assert cli("init").code == 0
     victim = vault_db.parent.parent / "precious.txt"
     victim.write_bytes(b"someone else's data\n")
@@ -84,7 +82,9 @@ def test_ctrl_c_exits_130_and_says_interrupted(vault: Any, vault_db: Path) -> No
     # ("nothing was changed" would be false once a shred has destroyed the key).
     proc = subprocess.Popen(
         [sys.executable, "-m", "vault", "shred"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stderr is not None

@@ -43,12 +43,17 @@ def test_a_rotation_after_a_deferred_promotion_never_loses_the_files_key(
     assert keyring_kids(vault.vault_id)[1] == k2
     # A writer holds the lock, so rotation B's open cannot promote; B then dies at once.
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sqlite3, time\n"
-         f"c = sqlite3.connect({str(vault_db)!r}, isolation_level=None)\n"
-         "c.execute('BEGIN IMMEDIATE'); print('locked', flush=True)\n"
-         "time.sleep(3); c.execute('COMMIT')\n"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, time\n"
+            f"c = sqlite3.connect({str(vault_db)!r}, isolation_level=None)\n"
+            "c.execute('BEGIN IMMEDIATE'); print('locked', flush=True)\n"
+            "time.sleep(3); c.execute('COMMIT')\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout and holder.stdout.readline().strip() == "locked"
     r = run_cli("rotate", env={"MEMVAULT_FAILPOINT": "after-pending"})
     holder.wait()
@@ -94,8 +99,16 @@ def test_key_import_into_an_old_copy_keeps_the_replaced_key(
     assert run_cli("rotate").code == 0
     live_key = keyring.get_password("memvault", vault.vault_id)
     assert live_key
-    r = run_cli("--db", str(backup), "--json", "key", "import", str(kit), "--yes",
-                input="correct horse battery\n")
+    r = run_cli(
+        "--db",
+        str(backup),
+        "--json",
+        "key",
+        "import",
+        str(kit),
+        "--yes",
+        input="correct horse battery\n",
+    )
     assert r.code == 0, r
     kept = r.json()["kept_aside_as"]
     assert kept == f"{vault.vault_id}.replaced.{crypto.key_id(live_key)}"
@@ -112,16 +125,16 @@ def test_a_revoke_that_cannot_reach_the_keyring_marks_nothing(vault: Any, vault_
 
 
 def test_status_says_when_a_revocation_is_unfinished(vault: Any, vault_db: Path) -> None:
-    assert run_cli("revoke", "--yes", env={"MEMVAULT_FAILPOINT": "revoke-after-mark"}).code \
-        == KILLED
+    assert (
+        run_cli("revoke", "--yes", env={"MEMVAULT_FAILPOINT": "revoke-after-mark"}).code == KILLED
+    )
     st = run_cli("--json", "status").json()
     assert st["key"].startswith("key revoked (incomplete")
     assert run_cli("revoke", "--yes").code == 0
     assert run_cli("--json", "status").json()["key"] == "key revoked"
 
 
-@pytest.mark.parametrize("point", ["shred-after-key", "shred-after-rows",
-                                   "shred-during-overwrite"])
+@pytest.mark.parametrize("point", ["shred-after-key", "shred-after-rows", "shred-during-overwrite"])
 def test_a_resumed_shred_reports_what_the_first_run_destroyed(
     vault: Any, vault_db: Path, tmp_path: Path, point: str
 ) -> None:
@@ -129,13 +142,20 @@ def test_a_resumed_shred_reports_what_the_first_run_destroyed(
     assert run_cli("shred", "--yes", env={"MEMVAULT_FAILPOINT": point}).code == KILLED
     receipt = tmp_path / "receipt.json"
     # Once the first run recorded the key's destruction, the rest needs no keyring at all.
-    env = {} if point == "shred-after-key" else {
-        "PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"}
+    env = (
+        {}
+        if point == "shred-after-key"
+        else {"PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"}
+    )
     r = run_cli("--json", "shred", "--yes", "--receipt", str(receipt), env=env)
     assert r.code == 0, r
     rep = r.json()
-    assert (rep["items"], rep["sessions"], rep["key_destroyed"], rep["resumed"]) == \
-        (3, 1, True, True)
+    assert (rep["items"], rep["sessions"], rep["key_destroyed"], rep["resumed"]) == (
+        3,
+        1,
+        True,
+        True,
+    )
     assert not vault_db.exists()
 
 

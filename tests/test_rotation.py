@@ -67,8 +67,9 @@ def residue(db: Path, toks: list[str]) -> list[str]:
     return [t for t in toks if t[:40].encode("ascii") in data]
 
 
-def insert_sealed(db: Path, sealer: crypto.Sealer, session_id: str,
-                  items: list[tuple[Any, int]]) -> None:
+def insert_sealed(
+    db: Path, sealer: crypto.Sealer, session_id: str, items: list[tuple[Any, int]]
+) -> None:
     """Store items sealed at chosen Fernet timestamps (the guard triggers accept them)."""
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
         conn.execute("BEGIN IMMEDIATE")
@@ -141,7 +142,9 @@ def bystander(db: Path) -> Iterator[subprocess.Popen[str]]:
 def _child(script: str, db: Path) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", script, str(db)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdin is not None
@@ -246,15 +249,16 @@ def test_rotate_reencrypts_everything_keeps_timestamps_and_forgets_old_key(
         # The old key opens nothing any more.
         assert old.open(sid, json.dumps(env), None).state is crypto.ItemState.UNREADABLE
         # Same plaintext as before.
-        assert new.open(sid, json.dumps(env), None).item == old.open(
-            sid, json.dumps(env_before), None
-        ).item
+        assert (
+            new.open(sid, json.dumps(env), None).item
+            == old.open(sid, json.dumps(env_before), None).item
+        )
 
     reopened = Vault.open(vault_db)
     for sid, items in expected.items():
         assert reopened.items(sid) == (items, 0, 0)
     # Rotation never extends life: each aged item expires when it would have before.
-    for (item, ts) in aged:
+    for item, ts in aged:
         visible, _, _ = reopened.items("chat-aged", now=ts + 3600)
         assert item in visible
         visible, _, _ = reopened.items("chat-aged", now=ts + 3601)
@@ -274,9 +278,11 @@ def test_rotate_keeps_unreadable_rows_and_counts_them(vault: Vault, vault_db: Pa
     old = vault.sealer()
     # A well-formed envelope under the current kid whose payload is forged: unreadable.
     forged = Fernet(Fernet.generate_key()).encrypt(b'{"role":"user","content":"forged"}')
-    insert_raw(vault_db, "s", json.dumps(
-        {"__enc__": 1, "v": 1, "kid": old.kid, "payload": forged.decode()}
-    ))
+    insert_raw(
+        vault_db,
+        "s",
+        json.dumps({"__enc__": 1, "v": 1, "kid": old.kid, "payload": forged.decode()}),
+    )
     report = vault.rotate()
     assert report.counts["items"] == 1
     assert report.counts["unreadable"] == 1
@@ -332,8 +338,11 @@ def test_rotation_is_one_transaction_with_synchronous_full(
     vault.rotate()
     monkeypatch.setattr(db, "connect", real_connect)
 
-    rewriting = [(sync, log) for sync, log in traces
-                 if any(s.startswith("UPDATE agent_messages") for s in log)]
+    rewriting = [
+        (sync, log)
+        for sync, log in traces
+        if any(s.startswith("UPDATE agent_messages") for s in log)
+    ]
     assert len(rewriting) == 1
     sync, log = rewriting[0]
     begin = log.index("BEGIN IMMEDIATE")
@@ -341,11 +350,12 @@ def test_rotation_is_one_transaction_with_synchronous_full(
     writes = ("UPDATE agent_messages", "INSERT INTO memvault_meta")
     changes = [i for i, s in enumerate(log) if s.startswith(writes)]
     assert begin < min(changes) and max(changes) < commit
-    updated = {int(log[i].rsplit("WHERE id = ", 1)[1]) for i in changes
-               if log[i].startswith("UPDATE")}
+    updated = {
+        int(log[i].rsplit("WHERE id = ", 1)[1]) for i in changes if log[i].startswith("UPDATE")
+    }
     assert updated == {rid for rid, _, _ in rows(vault_db)}  # every item, in this transaction
     assert any("'kid'" in log[i] for i in changes)  # the kid changes in it too
-    inside = log[begin + 1:commit]
+    inside = log[begin + 1 : commit]
     assert not [s for s in inside if s in ("COMMIT", "ROLLBACK") or s.startswith("BEGIN")]
     assert not [s for s in inside if s.upper().startswith("PRAGMA SYNCHRONOUS")]
     settings = [s.upper() for s in log[:begin] if s.upper().startswith("PRAGMA SYNCHRONOUS")]
@@ -361,7 +371,9 @@ def test_cli_rotate_shows_a_progress_bar_on_a_terminal(vault: Vault, vault_db: P
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "vault", "rotate"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
     )
     os.close(slave)
     shown = b""
@@ -448,6 +460,7 @@ def test_scrub_after_clear_leaves_no_deleted_token(vault: Vault, vault_db: Path,
             assert r.code == 0, r
             assert r.json()["deleted"] == len(expected["chat-a"]) and r.json()["scrubbed"]
         else:
+
             async def go() -> None:
                 s = vault.session("chat-a")
                 await s.clear_session()
@@ -501,9 +514,7 @@ def test_control_purge_and_clear_without_scrub_leave_residue(
         assert residue(vault_db, doomed) == []
 
 
-def test_blocked_scrub_is_reported_and_finished_by_next_open(
-    vault: Vault, vault_db: Path
-) -> None:
+def test_blocked_scrub_is_reported_and_finished_by_next_open(vault: Vault, vault_db: Path) -> None:
     expected = populate(vault_db)
     old_tokens = tokens(vault_db)
     with bystander(vault_db), reader_holding_snapshot(vault_db) as reader:
@@ -648,7 +659,7 @@ def test_revoke_destroys_current_and_pending_key(vault: Vault, vault_db: Path, h
         r = run_cli("--json", "revoke", input="y\n")
 
     assert r.code == 0, r
-    doc = json.loads(r.out[r.out.index("{"):])
+    doc = json.loads(r.out[r.out.index("{") :])
     assert doc["vault_id"] == vault_id and doc["key_destroyed"] is True
     assert doc["already_revoked"] is False
     assert_revoked_state(vault_db, vault_id, [current, pending])

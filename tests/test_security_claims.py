@@ -43,9 +43,15 @@ def test_any_process_of_the_user_can_read_the_key_while_the_keyring_is_unlocked(
 ) -> None:
     # Not protected: code running as you while the keyring is unlocked.
     proc = subprocess.run(
-        [sys.executable, "-c",
-         f"import keyring; print(keyring.get_password('memvault', {vault.vault_id!r}))"],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            f"import keyring; print(keyring.get_password('memvault', {vault.vault_id!r}))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert proc.stdout.strip() == keyring.get_password("memvault", vault.vault_id)
 
@@ -102,9 +108,16 @@ def test_no_output_or_error_ever_contains_the_key(vault: Any, vault_db: Path) ->
     add_items(vault_db, "s", [user("x")])
     key = keyring.get_password("memvault", vault.vault_id)
     assert key
-    outputs = [run_cli(*a) for a in (["--json", "status"], ["--json", "sessions"],
-                                     ["--json", "show", "s"], ["--json", "log"],
-                                     ["--json", "rotate"])]
+    outputs = [
+        run_cli(*a)
+        for a in (
+            ["--json", "status"],
+            ["--json", "sessions"],
+            ["--json", "show", "s"],
+            ["--json", "log"],
+            ["--json", "rotate"],
+        )
+    ]
     key = keyring.get_password("memvault", vault.vault_id)  # the rotated one
     assert key
     outputs += [run_cli("--json", "status"), run_cli("init")]
@@ -122,8 +135,10 @@ def test_the_guard_is_no_defence_against_someone_who_can_write_the_file(
     conn = sqlite3.connect(vault_db)
     with conn:
         conn.execute("DROP TRIGGER memvault_guard_insert")
-        conn.execute("INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)",
-                     (json.dumps(user("planted")),))
+        conn.execute(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)",
+            (json.dumps(user("planted")),),
+        )
     conn.close()
     # ...but what they plant does not authenticate, so the vault never shows it.
     st = run_cli("--json", "status").json()

@@ -102,7 +102,10 @@ def child(script: str, *args: str, stop: Path) -> Iterator[Lines]:
     """Run a writer/reader process until the block ends; yields the lines it prints."""
     proc = subprocess.Popen(
         [sys.executable, "-c", script, *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     assert proc.stdout is not None and proc.stderr is not None
     first = proc.stdout.readline()
@@ -146,16 +149,22 @@ def ballast(db: Path, sealer: crypto.Sealer, n: int) -> None:
             conn.execute("INSERT OR IGNORE INTO agent_sessions (session_id) VALUES (?)", (f"b{k}",))
         conn.executemany(
             "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
-            [(f"b{i % 8}", sealer.seal(f"b{i % 8}", user(f"ballast {i} " + "z" * 80)))
-             for i in range(n)],
+            [
+                (f"b{i % 8}", sealer.seal(f"b{i % 8}", user(f"ballast {i} " + "z" * 80)))
+                for i in range(n)
+            ],
         )
         conn.execute("COMMIT")
 
 
 def stored(db: Path) -> list[tuple[str, dict[str, Any]]]:
     with contextlib.closing(sqlite3.connect(db)) as conn:
-        return [(sid, json.loads(data)) for sid, data in conn.execute(
-            "SELECT session_id, message_data FROM agent_messages ORDER BY id")]
+        return [
+            (sid, json.loads(data))
+            for sid, data in conn.execute(
+                "SELECT session_id, message_data FROM agent_messages ORDER BY id"
+            )
+        ]
 
 
 def file_kid(db: Path) -> str:

@@ -40,8 +40,13 @@ from vault.store import Vault, shred
 
 TTL = 1000
 SESSIONS = st.sampled_from(["alpha", "beta", "gamma"])
-ROTATION_STEPS = ["after-pending", "in-transaction", "after-commit", "after-promotion",
-                  "during-scrub"]
+ROTATION_STEPS = [
+    "after-pending",
+    "in-transaction",
+    "after-commit",
+    "after-promotion",
+    "during-scrub",
+]
 
 
 class SimulatedCrash(BaseException):
@@ -110,7 +115,8 @@ class VaultMachine(RuleBasedStateMachine):
         with self._conn() as conn:
             data = conn.execute(
                 "SELECT message_data FROM agent_messages WHERE session_id = ? "
-                "ORDER BY id DESC LIMIT 1", (sid,)
+                "ORDER BY id DESC LIMIT 1",
+                (sid,),
             ).fetchone()[0]
         ts = crypto.token_timestamp(data)
         assert ts is not None and abs(ts - time.time()) < 60
@@ -126,7 +132,9 @@ class VaultMachine(RuleBasedStateMachine):
         rows = self.model[sid] if limit is None else self.model[sid][-limit:]
         visible = self._visible(sid, rows)
         assert self.vault.items(sid, limit, now=self.clock) == (
-            visible, len(rows) - len(visible), 0
+            visible,
+            len(rows) - len(visible),
+            0,
         )
 
     @rule(sid=SESSIONS, n=st.integers(1, 4))
@@ -138,7 +146,7 @@ class VaultMachine(RuleBasedStateMachine):
         rows = self.model[sid]
         expected = [item for item, _ in reversed(rows[-n:])]  # newest first, expired too
         assert self.vault.pop(sid, n).items == expected
-        del rows[max(0, len(rows) - n):]
+        del rows[max(0, len(rows) - n) :]
 
     @rule(sid=SESSIONS)
     def clear(self, sid: str) -> None:
@@ -215,8 +223,10 @@ class VaultMachine(RuleBasedStateMachine):
         with self._conn() as conn:
             assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
             kid = conn.execute("SELECT value FROM memvault_meta WHERE key = 'kid'").fetchone()[0]
-            kids = {json.loads(d)["kid"] for (d,) in conn.execute(
-                "SELECT message_data FROM agent_messages")}
+            kids = {
+                json.loads(d)["kid"]
+                for (d,) in conn.execute("SELECT message_data FROM agent_messages")
+            }
             count = conn.execute("SELECT count(*) FROM agent_messages").fetchone()[0]
         assert kids <= {kid}
         assert count == sum(len(rows) for rows in self.model.values())
@@ -228,7 +238,9 @@ class VaultMachine(RuleBasedStateMachine):
         for sid in self.model:
             visible = self._visible(sid)
             assert self.vault.items(sid, now=self.clock) == (
-                visible, len(self.model[sid]) - len(visible), 0
+                visible,
+                len(self.model[sid]) - len(visible),
+                0,
             )
 
 

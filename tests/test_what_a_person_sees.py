@@ -29,8 +29,13 @@ def test_a_group_alone_prints_its_help(args: tuple[str, ...], first_command: str
 
 @pytest.mark.parametrize(
     "args",
-    [("status", "--version"), ("show", "s", "--version"), ("key", "export", "--version"),
-     ("key", "--version"), ("--version", "status")],
+    [
+        ("status", "--version"),
+        ("show", "s", "--version"),
+        ("key", "export", "--version"),
+        ("key", "--version"),
+        ("--version", "status"),
+    ],
 )
 def test_version_works_on_either_side_of_the_command(args: tuple[str, ...]) -> None:
     r = run_cli(*args)
@@ -56,8 +61,9 @@ def test_global_options_after_the_command(vault: Any, vault_db: Path, tmp_path: 
         (("--json", "chat", "s"), "--json does not apply to `chat`"),
     ],
 )
-def test_demo_and_chat_refuse_options_they_cannot_honour(args: tuple[str, ...],
-                                                        needle: str) -> None:
+def test_demo_and_chat_refuse_options_they_cannot_honour(
+    args: tuple[str, ...], needle: str
+) -> None:
     r = run_cli(*args, env={"OPENAI_API_KEY": "sk-not-used"}, timeout=60)
     assert r.code == 2, r
     assert r.err.startswith(f"memvault: error: {needle}") and r.err.count("\n") == 1, r
@@ -75,7 +81,8 @@ def test_show_says_how_many_items_the_ttl_hides(vault: Any, vault_db: Path) -> N
     insert_sealed(vault_db, "mixed", [user("here")], now)
     r = run_cli("show", "mixed")
     assert r.out.splitlines() == [
-        "[1] user: here", "1 expired item hidden by the TTL (1h); `memvault purge` deletes them"
+        "[1] user: here",
+        "1 expired item hidden by the TTL (1h); `memvault purge` deletes them",
     ]
 
 
@@ -142,8 +149,9 @@ def test_prompts_name_the_vault_and_the_count(vault: Any, vault_db: Path) -> Non
         (("--json", "--db", "", "status"), 2, "the vault path is empty"),
     ],
 )
-def test_json_failures_print_a_json_document(vault: Any, args: tuple[str, ...], code: int,
-                                             needle: str) -> None:
+def test_json_failures_print_a_json_document(
+    vault: Any, args: tuple[str, ...], code: int, needle: str
+) -> None:
     r = run_cli(*args)
     assert r.code == code, r
     doc = json.loads(r.out)

@@ -101,8 +101,7 @@ class Chat:
                 import readline  # noqa: F401  (line editing and history for input())
         self.read_line = read_line or self._read_line
         kwargs: dict[str, Any] = {} if model is None else {"model": model}
-        self.agent: Agent[Any] = Agent(name="memvault chat", instructions=INSTRUCTIONS,
-                                       **kwargs)
+        self.agent: Agent[Any] = Agent(name="memvault chat", instructions=INSTRUCTIONS, **kwargs)
         self.session: Any = None
 
     def say(self, text: str) -> None:
@@ -123,8 +122,10 @@ class Chat:
             items = await self.session.get_items()
             if items:
                 turns = sum(1 for i in items if _role(i) == "user")
-                self.say(f"resumed session {self.session_id}: {len(items)} item(s) loaded "
-                         f"({turns} turn(s)) from {self.vault.path}")
+                self.say(
+                    f"resumed session {self.session_id}: {len(items)} item(s) loaded "
+                    f"({turns} turn(s)) from {self.vault.path}"
+                )
             else:
                 self.say(f"new session {self.session_id} in {self.vault.path}")
             self.say(HELP)
@@ -163,8 +164,10 @@ class Chat:
             popped = (await asyncio.to_thread(self.vault.pop, self.session_id, n)).items
             oldest = popped[-1] if popped else None
             if _role(oldest) != "user":
-                self.say(f"warning: removed {len(popped)} item(s), but the oldest was not your "
-                         "message; check with `memvault show`")
+                self.say(
+                    f"warning: removed {len(popped)} item(s), but the oldest was not your "
+                    "message; check with `memvault show`"
+                )
             else:
                 self.say(f"undid the last turn ({len(popped)} item(s) removed)")
             return True
@@ -188,7 +191,9 @@ class Chat:
         self.out.flush()
         try:
             result = Runner.run_streamed(
-                self.agent, text, session=self.session,
+                self.agent,
+                text,
+                session=self.session,
                 run_config=RunConfig(tracing_disabled=True),
             )
             async for event in result.stream_events():
@@ -213,8 +218,12 @@ class Chat:
             if after > before:
                 await asyncio.to_thread(self.vault.pop, self.session_id, after - before)
                 dropped = f"; the {after - before} item(s) of this failed turn were removed"
-            print(f"memvault: error: the model call failed ({type(exc).__name__}: "
-                  f"{_one_line(str(exc))}){dropped}", file=self.err, flush=True)
+            print(
+                f"memvault: error: the model call failed ({type(exc).__name__}: "
+                f"{_one_line(str(exc))}){dropped}",
+                file=self.err,
+                flush=True,
+            )
 
 
 def run_chat(db: str | None, session_id: str, model_name: str | None) -> int:

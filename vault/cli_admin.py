@@ -39,8 +39,7 @@ def purge(yes: bool) -> None:
         expired = sum(s.expired for s in vault.sessions())
         if expired:  # with nothing to delete there is nothing to ask
             confirm(
-                f"Delete the {plural(expired, 'expired item')} of the vault {vault.path} "
-                "for good?",
+                f"Delete the {plural(expired, 'expired item')} of the vault {vault.path} for good?",
                 yes,
             )
     with progress(_count(vault), "purging") as bar:
@@ -195,7 +194,6 @@ def _shred_summary(r: dict[str, Any]) -> str:
     key = "destroyed" if r.get("key_destroyed") else "already gone"
     if r.get("key_problem"):
         key = f"not destroyed: {r['key_problem']}"
-    return (
-        f"shredded {r['path']}: {counts}; key {key}; files "
-        + ", ".join(one(f) for f in r["files"])
+    return f"shredded {r['path']}: {counts}; key {key}; files " + ", ".join(
+        one(f) for f in r["files"]
     )

@@ -49,8 +49,9 @@ def demo(keep: bool) -> None:
 
 @cli.command("import")
 @click.argument("plain_db", metavar="PLAIN_DB")
-@click.option("--session", "session_id", metavar="ID", type=SESSION,
-              help="Import only this session.")
+@click.option(
+    "--session", "session_id", metavar="ID", type=SESSION, help="Import only this session."
+)
 @click.option(
     "--sessions-table",
     metavar="NAME",
@@ -99,8 +100,9 @@ def import_cmd(
 
     vault = open_vault()
     vault.sealer()  # fail on the key before reading anything
-    with Importer(vault, plain_db, session_id, sessions_table, messages_table,
-                  shred_source) as importer:
+    with Importer(
+        vault, plain_db, session_id, sessions_table, messages_table, shred_source
+    ) as importer:
         plan = importer.plan
         if shred_source:
             confirm(

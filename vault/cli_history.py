@@ -147,7 +147,9 @@ def _item_text(item: Any) -> str:
 @cli.command()
 @click.argument("session_id", metavar="SESSION", type=SESSION)
 @click.option(
-    "--limit", type=click.IntRange(min=1, max=MAX_COUNT), metavar="N",
+    "--limit",
+    type=click.IntRange(min=1, max=MAX_COUNT),
+    metavar="N",
     help="Only the newest N items.",
 )
 @common

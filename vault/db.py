@@ -232,9 +232,12 @@ def read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
         meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
     except sqlite3.OperationalError as exc:
         # SQLite has no code of its own for a missing table (SQLITE_ERROR): look.
-        if error_name(exc) == "SQLITE_ERROR" and not conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memvault_meta'"
-        ).fetchone():
+        if (
+            error_name(exc) == "SQLITE_ERROR"
+            and not conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memvault_meta'"
+            ).fetchone()
+        ):
             raise NotAVault(
                 f"{path} is a SQLite database but not a memvault vault; to encrypt a plaintext "
                 "SQLiteSession file into a vault use `memvault import`"

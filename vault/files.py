@@ -125,23 +125,21 @@ def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
                 f"{target} already exists; an existing file is never replaced; give a new "
                 f"file name for the {what}"
             )
-        raise BadInput(
-            f"{target} is a {kind(mode)}; give the name of a new file for the {what}"
-        )
+        raise BadInput(f"{target} is a {kind(mode)}; give the name of a new file for the {what}")
     folder = target.absolute().parent
     if not folder.is_dir():
-        raise BadInput(f"the folder {folder} does not exist; create it or choose another "
-                       f"folder for the {what}")
+        raise BadInput(
+            f"the folder {folder} does not exist; create it or choose another folder for the {what}"
+        )
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise BadInput(f"the folder {folder} is not writable; choose another folder for the "
-                       f"{what}")
+        raise BadInput(f"the folder {folder} is not writable; choose another folder for the {what}")
     return target
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = False) -> Path:
@@ -185,9 +183,7 @@ def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = Fal
     return target
 
 
-def overwrite(
-    path: Path, header: bytes = b"", progress: Progress | None = None
-) -> int | None:
+def overwrite(path: Path, header: bytes = b"", progress: Progress | None = None) -> int | None:
     """Overwrite a regular file in place with `header` then zeros, and fsync it.
 
     Returns its size, or None when `path` is missing or not a regular file (a link

@@ -21,8 +21,13 @@ from .schema import MESSAGES_TABLE
 SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
 MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")
 # Tables SQLite itself keeps; they are not the user's data.
-INTERNAL_TABLES = ("sqlite_sequence", "sqlite_stat1", "sqlite_stat2", "sqlite_stat3",
-                   "sqlite_stat4")
+INTERNAL_TABLES = (
+    "sqlite_sequence",
+    "sqlite_stat1",
+    "sqlite_stat2",
+    "sqlite_stat3",
+    "sqlite_stat4",
+)
 # How long the exclusive lock on the source may be waited for (--shred-source).
 SOURCE_LOCK_WAIT = 2.0
 
@@ -80,11 +85,11 @@ class Plan:
 
 def open_source(src: Path, shred_source: bool) -> sqlite3.Connection:
     """The source, read-only; with shred_source, writable and locked exclusively."""
-    uri = "file:" + urllib.parse.quote(str(src)) + ("?mode=rw" if shred_source
-                                                     else "?mode=ro")
+    uri = "file:" + urllib.parse.quote(str(src)) + ("?mode=rw" if shred_source else "?mode=ro")
     try:
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None,
-                               timeout=SOURCE_LOCK_WAIT, check_same_thread=False)
+        conn = sqlite3.connect(
+            uri, uri=True, isolation_level=None, timeout=SOURCE_LOCK_WAIT, check_same_thread=False
+        )
     except sqlite3.Error as exc:
         raise OperationFailed(f"cannot open {src} ({exc}); nothing was imported") from None
     conn.text_factory = _strict_text
@@ -120,8 +125,7 @@ def _columns(conn: sqlite3.Connection, table: str) -> list[tuple[str, int]]:
 
 def is_sessions_table(conn: sqlite3.Connection, table: str) -> bool:
     cols = _columns(conn, table)
-    return sorted(c for c, _ in cols) == sorted(SESSION_COLUMNS) and (
-        "session_id", 1) in cols
+    return sorted(c for c, _ in cols) == sorted(SESSION_COLUMNS) and ("session_id", 1) in cols
 
 
 def is_messages_table(conn: sqlite3.Connection, table: str) -> bool:
@@ -130,13 +134,18 @@ def is_messages_table(conn: sqlite3.Connection, table: str) -> bool:
 
 
 def references(conn: sqlite3.Connection, messages: str) -> list[str]:
-    return [r[2] for r in conn.execute(f"PRAGMA foreign_key_list({quote_name(messages)})")
-            if r[3] == "session_id"]
+    return [
+        r[2]
+        for r in conn.execute(f"PRAGMA foreign_key_list({quote_name(messages)})")
+        if r[3] == "session_id"
+    ]
 
 
 def list_tables(conn: sqlite3.Connection) -> list[str]:
-    return [r[0] for r in conn.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+    return [
+        r[0]
+        for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+    ]
 
 
 def find_pair(

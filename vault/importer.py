@@ -62,8 +62,11 @@ BATCH = 500
 
 
 def _digest_update(h: Any, item: Any) -> None:
-    h.update(json.dumps(item, sort_keys=True, ensure_ascii=False, separators=(",", ":"),
-                        default=str).encode("utf-8"))
+    h.update(
+        json.dumps(
+            item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
+        ).encode("utf-8")
+    )
     h.update(b"\n")
 
 
@@ -142,8 +145,9 @@ class Importer:
             with open(src, "rb") as fh:
                 header = fh.read(len(SQLITE_MAGIC))
         except OSError as exc:
-            raise OperationFailed(f"cannot read {src} ({exc.strerror}); check its permissions") \
-                from None
+            raise OperationFailed(
+                f"cannot read {src} ({exc.strerror}); check its permissions"
+            ) from None
         if header != SQLITE_MAGIC:
             raise OperationFailed(
                 f"{src} is not a SQLite database, so it is not a SQLiteSession file; "
@@ -160,9 +164,11 @@ class Importer:
             )
         s_tab, m_tab = find_pair(self.conn, src, tables, sessions_table, messages_table)
         try:
-            counts = dict(self.conn.execute(
-                f"SELECT session_id, count(*) FROM {quote_name(m_tab)} GROUP BY session_id"
-            ).fetchall())
+            counts = dict(
+                self.conn.execute(
+                    f"SELECT session_id, count(*) FROM {quote_name(m_tab)} GROUP BY session_id"
+                ).fetchall()
+            )
             listed = self.conn.execute(
                 f"SELECT session_id, created_at, updated_at FROM {quote_name(s_tab)} "
                 "ORDER BY session_id"
@@ -299,10 +305,13 @@ class Importer:
         }
         if self.shred_source:
             report["source_shredded"] = self._shred_source()
-            vault.record("source-shred", vault.sealer().kid,
-                         files=len(report["source_shredded"]["files"]),
-                         bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
-                         rows=report["source_shredded"]["rows"])
+            vault.record(
+                "source-shred",
+                vault.sealer().kid,
+                files=len(report["source_shredded"]["files"]),
+                bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
+                rows=report["source_shredded"]["rows"],
+            )
         report["at"] = utcnow()
         return report
 
@@ -373,8 +382,10 @@ class Importer:
                     break
                 _digest_update(vault_digest, opened.item)
                 stored += 1
-            if stored != count or count != s.items or (
-                vault_digest.digest() != source_digest.digest()
+            if (
+                stored != count
+                or count != s.items
+                or (vault_digest.digest() != source_digest.digest())
             ):
                 raise OperationFailed(
                     f"verification of session {sid!r} failed ({count} item(s) read from the "

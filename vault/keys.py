@@ -246,7 +246,8 @@ class KeyStore:
         if any(cls.__module__ in _DISABLED for cls in type(self._backend).__mro__):
             raise KeyringUnavailable(f"{reason}; {_how_to_get_a_keyring()}")
         chosen = (
-            f"{ENV_BACKEND} selects it" if os.environ.get(ENV_BACKEND)
+            f"{ENV_BACKEND} selects it"
+            if os.environ.get(ENV_BACKEND)
             else "keyring chose it, finding nothing better"
         )
         raise KeyringUnavailable(

@@ -126,8 +126,13 @@ class Kit:
             "vault_id": self.vault_id,
             "kid": self.kid,
             "created_at": self.created_at,
-            "kdf": {"name": "scrypt", "n": self.n, "r": self.r, "p": self.p,
-                    "salt": _b64(self.salt)},
+            "kdf": {
+                "name": "scrypt",
+                "n": self.n,
+                "r": self.r,
+                "p": self.p,
+                "salt": _b64(self.salt),
+            },
             "cipher": CIPHER,
         }
 
@@ -160,13 +165,32 @@ def seal(master_key: str, vault_id: str, passphrase: str) -> Kit:
     check_passphrase(passphrase)
     salt = secrets.token_bytes(SALT_BYTES)
     nonce = secrets.token_bytes(NONCE_BYTES)
-    unsealed = Kit(vault_id, crypto.key_id(master_key), utcnow(), SCRYPT_N, SCRYPT_R, SCRYPT_P,
-                   salt, nonce, b"")
+    unsealed = Kit(
+        vault_id,
+        crypto.key_id(master_key),
+        utcnow(),
+        SCRYPT_N,
+        SCRYPT_R,
+        SCRYPT_P,
+        salt,
+        nonce,
+        b"",
+    )
     wrapping = _derive(passphrase, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
-    ciphertext = AESGCM(wrapping).encrypt(nonce, master_key.encode("ascii"),
-                                          unsealed.associated_data())
-    return Kit(unsealed.vault_id, unsealed.kid, unsealed.created_at, unsealed.n, unsealed.r,
-               unsealed.p, salt, nonce, ciphertext)
+    ciphertext = AESGCM(wrapping).encrypt(
+        nonce, master_key.encode("ascii"), unsealed.associated_data()
+    )
+    return Kit(
+        unsealed.vault_id,
+        unsealed.kid,
+        unsealed.created_at,
+        unsealed.n,
+        unsealed.r,
+        unsealed.p,
+        salt,
+        nonce,
+        ciphertext,
+    )
 
 
 def load(path: str | os.PathLike[str]) -> Kit:
@@ -179,8 +203,9 @@ def load(path: str | os.PathLike[str]) -> Kit:
         with open(p, "rb") as fh:
             data = fh.read(MAX_KIT_BYTES + 1)
     except FileNotFoundError:
-        raise BadInput(f"no recovery kit at {p}; give the path of the file "
-                       "`memvault key export` wrote") from None
+        raise BadInput(
+            f"no recovery kit at {p}; give the path of the file `memvault key export` wrote"
+        ) from None
     except IsADirectoryError:
         raise BadInput(f"{p} is a folder; give the path of the recovery kit file") from None
     except OSError as exc:
@@ -202,9 +227,13 @@ def load(path: str | os.PathLike[str]) -> Kit:
         raise _not_a_kit(p, f"its cipher is not {CIPHER}")
     n, r, par = kdf.get("n"), kdf.get("r"), kdf.get("p")
     if not (
-        isinstance(n, int) and _N_RANGE[0] <= n <= _N_RANGE[1] and n & (n - 1) == 0
-        and isinstance(r, int) and _R_RANGE[0] <= r <= _R_RANGE[1]
-        and isinstance(par, int) and _P_RANGE[0] <= par <= _P_RANGE[1]
+        isinstance(n, int)
+        and _N_RANGE[0] <= n <= _N_RANGE[1]
+        and n & (n - 1) == 0
+        and isinstance(r, int)
+        and _R_RANGE[0] <= r <= _R_RANGE[1]
+        and isinstance(par, int)
+        and _P_RANGE[0] <= par <= _P_RANGE[1]
     ):
         raise _not_a_kit(p, "its scrypt parameters are out of range")
     check_kdf_cost(n, r, par, p)
@@ -216,8 +245,7 @@ def load(path: str | os.PathLike[str]) -> Kit:
     ciphertext = _unb64(doc.get("ciphertext"), "ciphertext", p)
     if len(nonce) != NONCE_BYTES or not salt:
         raise _not_a_kit(p, "its salt or nonce has the wrong length")
-    return Kit(doc["vault_id"], doc["kid"], doc["created_at"], n, r, par, salt, nonce,
-               ciphertext)
+    return Kit(doc["vault_id"], doc["kid"], doc["created_at"], n, r, par, salt, nonce, ciphertext)
 
 
 def kdf_cost(n: int, r: int, p: int) -> tuple[int, int]:
@@ -256,8 +284,9 @@ def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False)
             f"{target} already exists; choose another file name, or pass --force to replace it"
         ) from None
     except OSError as exc:
-        raise OperationFailed(f"cannot write {target} ({exc.strerror}); no kit was written") \
-            from None
+        raise OperationFailed(
+            f"cannot write {target} ({exc.strerror}); no kit was written"
+        ) from None
 
 
 # --------------------------------------------------------------------------
@@ -273,8 +302,7 @@ def export_kit(
     kit = seal(sealer.master_key, vault_id, passphrase)
     target = write_kit_file(path, kit.to_json(), force=force)
     vault.record("key-export", kit.kid, kit_version=KIT_VERSION, kdf="scrypt")
-    return {"path": str(target), "vault_id": vault_id, "kid": kit.kid,
-            "created_at": kit.created_at}
+    return {"path": str(target), "vault_id": vault_id, "kid": kit.kid, "created_at": kit.created_at}
 
 
 def check_kit_fits(vault: Vault, kit: Kit, path: Path) -> dict[str, str]:
@@ -353,6 +381,13 @@ def import_kit(
     extra = {"replaced_kid": replaced} if replaced else {}
     vault.record("key-import", kit.kid, keyring_before=state, **extra)
     kept = f"{vault_id}{ASIDE_INFIX}{replaced}" if replaced and replaced != "unknown" else None
-    return {"path": str(p), "vault_id": vault_id, "kid": kit.kid, "keyring_before": state,
-            "replaced_kid": replaced, "kept_aside_as": kept, "restored": state != "present",
-            "keyring": ks.name}
+    return {
+        "path": str(p),
+        "vault_id": vault_id,
+        "kid": kit.kid,
+        "keyring_before": state,
+        "replaced_kid": replaced,
+        "kept_aside_as": kept,
+        "restored": state != "present",
+        "keyring": ks.name,
+    }

@@ -48,8 +48,10 @@ def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
     if kind:  # SQLite would block for ever reading a FIFO's "header"
         from .errors import NotAVault
 
-        raise NotAVault(f"{resolved} is a {kind}, not a vault file; give the path of the vault "
-                        "with --db or MEMVAULT_DB; nothing was changed")
+        raise NotAVault(
+            f"{resolved} is a {kind}, not a vault file; give the path of the vault "
+            "with --db or MEMVAULT_DB; nothing was changed"
+        )
     return resolved
 
 
@@ -65,7 +67,7 @@ def require_text_path(path: str | os.PathLike[str], what: str) -> None:
         from .errors import BadInput
 
         raise BadInput(
-            f"{what} \"{os.fsencode(path).decode('utf-8', 'backslashreplace')}\" is not "
+            f'{what} "{os.fsencode(path).decode("utf-8", "backslashreplace")}" is not '
             "valid UTF-8; rename the file (or its folder) to a UTF-8 name; nothing was changed"
         ) from None
 

@@ -111,9 +111,7 @@ class VaultSQLiteSession(SQLiteSession):
         except sqlite3.Error as exc:
             raise translate(exc, self._vault_path) from exc
 
-    async def _pop_item_with_validation(
-        self, validate: Callable[[Any], None] | None = None
-    ) -> Any:
+    async def _pop_item_with_validation(self, validate: Callable[[Any], None] | None = None) -> Any:
         item = await super()._pop_item_with_validation(validate)
         if item is not None:
             self.deleted = True

@@ -73,9 +73,7 @@ def _raw_ids(path: Path) -> tuple[set[str], set[str]]:
     return ids, kids
 
 
-def _destroy_keys_of_damaged(
-    path: Path, keystore: KeyStore | None, report: dict[str, Any]
-) -> None:
+def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
     """Destroy the keys a damaged file can still name; say so plainly when it names none."""
     ids, kids = _raw_ids(path)
     if report.get("vault_id"):
@@ -173,8 +171,9 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                             # The key is still there: leave no sign of a shred that never
                             # destroyed anything.
                             with contextlib.suppress(sqlite3.Error):
-                                conn.execute("DELETE FROM memvault_meta WHERE key = ?",
-                                             ("shred_started",))
+                                conn.execute(
+                                    "DELETE FROM memvault_meta WHERE key = ?", ("shred_started",)
+                                )
                                 conn.execute("COMMIT")
                         raise
                     if report["resumed"]:
@@ -314,9 +313,7 @@ def shred(
         testhooks.failpoint("shred-after-rows")
     stamp_fields = ("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid")
     stamp_bytes = (
-        SHRED_MAGIC
-        + json.dumps({k: report.get(k) for k in stamp_fields}).encode()
-        + b"\n"
+        SHRED_MAGIC + json.dumps({k: report.get(k) for k in stamp_fields}).encode() + b"\n"
     )
     done = []
     try:

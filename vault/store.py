@@ -210,9 +210,7 @@ class Vault(KeyLifecycle):
         with self.connection() as conn:
             return int(conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0])
 
-    def _snapshot(
-        self, read: Callable[[sqlite3.Connection, crypto.Sealer, int | None], T]
-    ) -> T:
+    def _snapshot(self, read: Callable[[sqlite3.Connection, crypto.Sealer, int | None], T]) -> T:
         """Run `read` in one read transaction that also saw the file's kid and TTL.
 
         A key fetched before the rows are read may be retired by a rotation committed

@@ -68,6 +68,9 @@ def chat_test_model() -> Model | None:
     model = factory()
     if not isinstance(model, Model):
         raise BadInput(f"{ENV_CHAT_TEST_MODEL}={spec} did not return an agents.Model")
-    print(f"memvault: {ENV_CHAT_TEST_MODEL} is set: using a test model, not a real one",
-          file=sys.stderr, flush=True)
+    print(
+        f"memvault: {ENV_CHAT_TEST_MODEL} is set: using a test model, not a real one",
+        file=sys.stderr,
+        flush=True,
+    )
     return model
