@@ -276,25 +276,23 @@ echo "exit=$?" >&2
 """
 
 
-@pytest.mark.slow
-def test_a_stopped_keyring_daemon_is_exit_4_not_a_hang(tmp_path: Path) -> None:
+def in_another_private_keyring(script: str, db: Path) -> subprocess.CompletedProcess[str]:
+    """`bash -c SCRIPT x ROOT DB` inside a second private keyring of its own, so that
+    stopping or killing its daemon cannot touch the one the rest of the suite uses."""
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_IN_PRIVATE_KEYRING"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(
-        [
-            str(ROOT / "scripts" / "with-keyring"),
-            "bash",
-            "-c",
-            STOPPED_DAEMON,
-            "x",
-            str(ROOT),
-            str(tmp_path / "h.db"),
-        ],
+    return subprocess.run(
+        [str(ROOT / "scripts" / "with-keyring"), "bash", "-c", script, "x", str(ROOT), str(db)],
         capture_output=True,
         text=True,
         env=env,
         timeout=240,
     )
+
+
+@pytest.mark.slow
+def test_a_stopped_keyring_daemon_is_exit_4_not_a_hang(tmp_path: Path) -> None:
+    proc = in_another_private_keyring(STOPPED_DAEMON, tmp_path / "h.db")
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert err and err[-1] == "exit=4", proc.stderr  # `timeout` would make it 124
     errors = [line for line in err if line.startswith("memvault: error:")]
@@ -396,22 +394,6 @@ echo "exit=$?" >&2
 def test_the_private_keyring_comes_back_unlocked_if_its_daemon_dies(tmp_path: Path) -> None:
     # D-Bus restarts a dead daemon on the next call; it must come back unlocked, with the
     # keys it held, or every later test meets a locked keyring.
-    env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_IN_PRIVATE_KEYRING"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(
-        [
-            str(ROOT / "scripts" / "with-keyring"),
-            "bash",
-            "-c",
-            DAEMON_DIES,
-            "x",
-            str(ROOT),
-            str(tmp_path / "h.db"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
+    proc = in_another_private_keyring(DAEMON_DIES, tmp_path / "h.db")
     assert proc.stderr.strip().splitlines()[-1:] == ["exit=0"], proc.stderr
     assert proc.stdout.strip() == "no sessions", proc.stdout

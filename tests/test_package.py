@@ -38,26 +38,17 @@ def test_the_sdk_is_pinned_below_its_next_minor_version() -> None:
     assert f"<{major}.{minor + 1}" in spec
 
 
+def pip(*args: str) -> None:
+    # Offline: no dependency is fetched, and the build uses this environment's setuptools.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "-q", *args], check=True, capture_output=True, timeout=600
+    )
+
+
 @pytest.mark.slow
 def test_wheel_installs_a_working_typed_command_with_its_licence(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(wheels),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT))
     (wheel,) = wheels.glob("memvault-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "vault/py.typed" in names
@@ -66,22 +57,7 @@ def test_wheel_installs_a_working_typed_command_with_its_licence(tmp_path: Path)
     # Installed on its own (the dependencies come from this environment), the wheel's
     # copy is the one that runs, and it reports the version from its own metadata.
     target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    pip("install", "--no-deps", "--target", str(target), str(wheel))
     assert (target / "vault" / "py.typed").is_file()
     probe = (
         "import vault, sys; print(vault.__file__); sys.argv=['memvault','--version']; "
