@@ -54,6 +54,7 @@ def probe(*args: str) -> tuple[int, list[str]]:
         ["log"],
         ["rotate"],
         ["clear", "s1", "--yes"],
+        ["key", "list"],
     ],
 )
 def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:

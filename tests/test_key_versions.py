@@ -97,3 +97,62 @@ def test_any_number_of_rotations_leave_one_entry(vault: Any, vault_db: Path) -> 
         assert r.code == 0, r
     kid = status(vault_db)["kid"]
     assert list(keyring_entries(vault.vault_id)) == [f"{vault.vault_id}/{kid}"]
+
+
+def test_key_list_shows_each_version_its_state_and_entry_never_a_key(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    first_key = vault.sealer().master_key
+    backup, old_kid, new_kid = live_and_backup(vault, vault_db, tmp_path)
+
+    r = run_cli("--json", "key", "list")
+    assert r.code == 0, r
+    doc = r.json()
+    assert doc["vault_id"] == vault.vault_id
+    got = [(k["kid"], k["state"], k["in_keyring"]) for k in doc["keys"]]
+    # The old version is destroyed for this file, yet its entry is back: the backup's.
+    assert got == [(old_kid, "destroyed", True), (new_kid, "current", True)], got
+    assert all(k["created_at"] for k in doc["keys"])
+
+    human = run_cli("key", "list")
+    assert human.code == 0, human
+    lines = human.out.splitlines()
+    assert lines[0].split() == ["key", "id", "state", "in", "keyring", "created"]
+    assert lines[1].split()[:3] == [old_kid, "destroyed", "yes"], human
+    assert lines[2].split()[:3] == [new_kid, "current", "yes"], human
+    live_key = keyring_entries(vault.vault_id)[f"{vault.vault_id}/{new_kid}"]
+    for key in (first_key, live_key):
+        assert key not in r.out + human.out + r.err + human.err
+
+    # The backup knows only its own key.
+    r = run_cli("--db", str(backup), "--json", "key", "list")
+    assert [(k["kid"], k["state"]) for k in r.json()["keys"]] == [(old_kid, "current")], r
+
+
+def test_key_list_on_a_revoked_vault_shows_every_version_destroyed(
+    vault: Any, vault_db: Path
+) -> None:
+    add_items(vault_db, "s", [user("x")])
+    assert run_cli("rotate").code == 0
+    assert run_cli("revoke", "--yes").code == 0
+    r = run_cli("--json", "key", "list")
+    assert r.code == 0, r
+    keys = r.json()["keys"]
+    assert len(keys) == 2, keys
+    assert all(k["state"] == "destroyed" and not k["in_keyring"] for k in keys), keys
+
+
+def test_a_rotation_killed_before_its_commit_leaves_its_key_for_the_next_open_to_drop(
+    vault: Any, vault_db: Path
+) -> None:
+    add_items(vault_db, "s", [user("x")])
+    kid = status(vault_db)["kid"]
+    r = run_cli("rotate", env={"MEMVAULT_FAILPOINT": "after-pending"})
+    assert r.code == -9, r
+    assert len(keyring_entries(vault.vault_id)) == 2  # the staged key's entry is there
+    r = run_cli("--json", "key", "list")
+    assert r.code == 0, r
+    states = {k["kid"]: (k["state"], k["in_keyring"]) for k in r.json()["keys"]}
+    assert states.pop(kid) == ("current", True)
+    assert list(states.values()) == [("destroyed", False)], states
+    assert list(keyring_entries(vault.vault_id)) == [f"{vault.vault_id}/{kid}"]
