@@ -28,6 +28,8 @@ COMMANDS = [
     "revoke",
     "shred",
     "log",
+    "export",
+    "search",
     "demo",
     "import",
     "key",

@@ -54,6 +54,9 @@ def probe(*args: str) -> tuple[int, list[str]]:
         ["log"],
         ["rotate"],
         ["clear", "s1", "--yes"],
+        ["export", "s1", "-o", "-"],
+        ["export", "--all", "--format", "md", "-o", "-"],
+        ["search", "hello"],
     ],
 )
 def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:
