@@ -59,7 +59,7 @@ def test_json_document(history: None) -> None:
     doc = r.json()
     assert doc["pattern"] == r"nord-\d+" and doc["regex"] is True
     assert (doc["sessions"], doc["items"], doc["expired_skipped"], doc["unreadable"]) == (
-        1,
+        ["chat-2"],
         2,
         0,
         0,

@@ -160,7 +160,7 @@ def search_cmd(
         if not found.hits and not found.unreadable:
             line = (
                 f"no item matches {pattern!r} ({plural(found.items, 'item')} searched in "
-                f"{plural(found.sessions, 'session')}"
+                f"{plural(len(found.sessions), 'session')}"
             )
             if found.expired_skipped:
                 line += f"; --include-expired also searches {found.expired_skipped} expired"

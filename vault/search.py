@@ -36,7 +36,7 @@ class Found:
     pattern: str
     regex: bool
     hits: list[Hit] = field(default_factory=list)
-    sessions: int = 0  # searched
+    sessions: list[str] = field(default_factory=list)  # searched
     items: int = 0  # scanned
     expired_skipped: int = 0
     unreadable: int = 0
@@ -90,7 +90,7 @@ def search(
     vault.sealer()  # the key errors first, as every keyed command
     found = Found(pattern, regex)
     for sid in select_sessions(vault, session_ids):
-        found.sessions += 1
+        found.sessions.append(sid)
         opened = vault.opened_items(sid, now=now, include_expired=include_expired)
         for position, one in enumerate(opened, 1):
             if one.state is ItemState.UNREADABLE:
