@@ -85,8 +85,10 @@ def test_bad_patterns_are_usage_errors(history: None) -> None:
     one_line(run_cli("search", ""), 2, "pattern is empty")
     j = run_cli("--json", "search", "--regex", "[")
     assert j.code == 2 and j.json()["exit_code"] == 2
-    # Without --regex the same text is looked for as it is.
+    # Without --regex the same text is looked for as it is; after --, even an option's name.
     assert run_cli("search", "(unclosed").code == 1
+    dash = run_cli("search", "--", "--force")
+    assert dash.code == 1 and "no item matches '--force'" in dash.err
 
 
 def test_expired_items_are_skipped_unless_asked_for(vault: Any, vault_db: Path) -> None:

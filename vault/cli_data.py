@@ -131,7 +131,8 @@ def search_cmd(
     item is a message's content, a tool call's name and arguments, a tool's
     output. One line per matching item: session, #position (as in `export`),
     role, excerpt. Items are decrypted and scanned in memory: no index is
-    built and nothing is written to disk.
+    built and nothing is written to disk. A PATTERN that starts with - goes
+    after --.
 
     \b
     Exit codes:
@@ -144,6 +145,7 @@ def search_cmd(
     Example:
       memvault search nord-17
       memvault search --regex 'NORD-\\d+' carnet-local --json
+      memvault search -- --force
     """
     try:
         pattern.encode("utf-8")
