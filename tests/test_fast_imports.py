@@ -55,6 +55,9 @@ def probe(*args: str) -> tuple[int, list[str]]:
         ["rotate"],
         ["clear", "s1", "--yes"],
         ["key", "list"],
+        ["export", "s1", "-o", "-"],
+        ["export", "--all", "--format", "md", "-o", "-"],
+        ["search", "hello"],
     ],
 )
 def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:

@@ -15,7 +15,7 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +105,15 @@ def odd_entries(paths: list[Path]) -> list[tuple[Path, str]]:
     return out
 
 
-def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
+def check_new_file(
+    path: str | os.PathLike[str], what: str, force_flag: str | None = None, replace: bool = False
+) -> Path:
     """Refuse (exit 2) a path where `write_private` could not create a new file.
 
-    Run before anything irreversible, so that a bad path costs nothing.
+    Run before anything irreversible, so that a bad path costs nothing. A command
+    that can replace an existing regular file names its option in `force_flag`
+    (said in the refusal) and passes `replace` when it was given; a link, FIFO,
+    device or folder is refused all the same.
     """
     if str(path) == "":
         raise BadInput(f"the {what} path is empty (an unset shell variable?); give a file name")
@@ -119,7 +124,12 @@ def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
         mode = None
     except OSError as exc:
         raise BadInput(f"cannot use {target} for the {what} ({exc.strerror})") from None
-    if mode is not None:
+    if mode is not None and not (stat.S_ISREG(mode) and replace and force_flag is not None):
+        if stat.S_ISREG(mode) and force_flag is not None:
+            raise BadInput(
+                f"{target} already exists; give a new file name for the {what}, or pass "
+                f"{force_flag} to replace it"
+            )
         if stat.S_ISREG(mode):
             raise BadInput(
                 f"{target} already exists; an existing file is never replaced; give a new "
@@ -136,14 +146,21 @@ def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
     return target
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _write_all(fd: int, data: bytes | Iterable[bytes]) -> None:
+    for chunk in [data] if isinstance(data, bytes) else data:
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
 
 
-def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = False) -> Path:
+def write_private(
+    path: str | os.PathLike[str], data: bytes | Iterable[bytes], replace: bool = False
+) -> Path:
     """Create `path` 0600 holding `data`, fsynced, folder fsynced.
+
+    `data` may be an iterable of chunks, written as they come (an export streams
+    through here); if it raises, the new file is removed and, with `replace`, the
+    old one is left as it was.
 
     Without `replace`, a new file only (O_CREAT | O_EXCL | O_NOFOLLOW): an existing
     name, link or not, raises FileExistsError. With `replace`, a new 0600 file in the
