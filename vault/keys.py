@@ -321,7 +321,7 @@ class KeyStore:
     # One named entry -----------------------------------------------------
     def get(self, name: str) -> str | None:
         """The entry's secret, or None when there is none."""
-        value = self._read("read a key", name)
+        value = self._read("read the vault key", name)
         return value if isinstance(value, str) else None
 
     def _read(self, what: str, name: str) -> Any:
