@@ -34,6 +34,7 @@ COMMANDS = [
     "key export",
     "key import",
     "chat",
+    "completion",
 ]
 
 
