@@ -39,11 +39,13 @@ def one_line_error(r: Any) -> str:
 
 
 def export(kit: Path, *args: str, passphrase: str = PASS) -> Any:
-    return run_cli(*args, "key", "export", str(kit), input=passphrase + "\n")
+    return run_cli(*args, "key", "export", "--passphrase-stdin", str(kit), input=passphrase + "\n")
 
 
 def import_(kit: Path, *args: str, passphrase: str = PASS, extra: str = "") -> Any:
-    return run_cli(*args, "key", "import", str(kit), input=passphrase + "\n" + extra)
+    return run_cli(
+        *args, "key", "import", "--passphrase-stdin", str(kit), input=passphrase + "\n" + extra
+    )
 
 
 def copy_vault(src: Path, dest: Path) -> None:
@@ -257,7 +259,7 @@ def test_import_replaces_a_key_that_does_not_open_the_vault(
     assert "aborted" in r.err
     assert vault.keystore.get(vault.vault_id) == stranger
 
-    r = run_cli("key", "import", str(kit), "--yes", input=PASS + "\n")
+    r = run_cli("key", "import", str(kit), "--yes", "--passphrase-stdin", input=PASS + "\n")
     assert r.code == 0, r
     assert "replaced key " + crypto.key_id(stranger) in r.out
     assert vault.keystore.get(vault.vault_id) == key
@@ -284,7 +286,7 @@ def test_export_refusals(vault: Any, tmp_path: Path) -> None:
     assert r.code == 0 and "shorter than" in r.err
 
     kit.chmod(0o644)
-    r = run_cli("key", "export", str(kit), "--force", input=PASS + "\n")
+    r = run_cli("key", "export", str(kit), "--force", "--passphrase-stdin", input=PASS + "\n")
     assert r.code == 0, r
     assert stat.S_IMODE(kit.stat().st_mode) == 0o600
     assert json.loads(kit.read_text())["vault_id"] == vault.vault_id

@@ -93,7 +93,12 @@ def test_key_import_into_an_old_copy_keeps_the_replaced_key(
 ) -> None:
     add_items(vault_db, "s", [user("x")])
     kit = tmp_path / "kit.json"
-    assert run_cli("key", "export", str(kit), input="correct horse battery\n").code == 0
+    assert (
+        run_cli(
+            "key", "export", "--passphrase-stdin", str(kit), input="correct horse battery\n"
+        ).code
+        == 0
+    )
     backup = tmp_path / "backup.db"
     shutil.copy(vault_db, backup)
     assert run_cli("rotate").code == 0
