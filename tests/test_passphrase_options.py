@@ -10,7 +10,7 @@ import os
 import stat
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,21 @@ def secret_file(path: Path, text: str, mode: int = 0o600) -> Path:
     path.write_bytes(text.encode())
     path.chmod(mode)
     return path
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open (Linux /proc)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def lose_key(vault: Any) -> str:
@@ -108,11 +123,27 @@ def test_a_named_fifo_whose_writer_starts_late_is_read(vault: Any, tmp_path: Pat
         stderr=subprocess.PIPE,
         text=True,
     )
-    # The writer blocks in open() until memvault opens the FIFO, then writes.
-    writer = threading.Thread(target=lambda: fifo.write_text(PASS + "\n"))
-    writer.start()
-    out, err = proc.communicate(timeout=120)
-    writer.join(timeout=60)
+    writer = None
+    try:
+        # The writer starts only once memvault holds the FIFO open (seen in /proc):
+        # memvault must wait for it rather than take "no writer yet" for the end.
+        deadline = time.monotonic() + 120
+        while not holds_open(proc.pid, fifo):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "memvault never opened the FIFO"
+            time.sleep(0.05)
+        # A process, not a thread, so that a failure can always kill it.
+        writer = subprocess.Popen(
+            ["sh", "-c", 'printf "%s\\n" "$PW" > "$FIFO"'],
+            env=dict(os.environ, PW=PASS, FIFO=str(fifo)),
+        )
+        out, err = proc.communicate(timeout=120)
+    finally:
+        for p in (proc, writer):
+            if p is not None and p.poll() is None:
+                p.kill()
+            if p is not None:
+                p.wait()
     assert proc.returncode == 0, (out, err)
     assert kit.exists()
     assert run_cli("key", "import", "--passphrase-stdin", str(kit), input=PASS).code == 0
