@@ -212,9 +212,9 @@ def test_passphrase_stdin_refuses_a_terminal(vault: Any, tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        ("", "empty passphrase"),
-        ("\n", "empty passphrase"),
-        ("\r\n", "empty passphrase"),
+        ("", "passphrase is empty"),
+        ("\n", "passphrase is empty"),
+        ("\r\n", "passphrase is empty"),
         (PASS + "\n\n", "more than one line"),
         ("first line\nsecond line\n", "more than one line"),
         ("x" * 5000, "more than 4096 bytes"),

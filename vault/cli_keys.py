@@ -234,7 +234,7 @@ def one_passphrase(data: bytes, where: str) -> str:
     if "\n" in text or "\r" in text:
         raise BadInput(f"{where} holds more than one line; put the passphrase alone on one line")
     if text == "":
-        raise BadInput(f"{where} holds an empty passphrase; a recovery kit needs a passphrase")
+        raise BadInput(f"the passphrase is empty (from {where}); a recovery kit needs a passphrase")
     return text
 
 
