@@ -112,6 +112,7 @@ def test_key_import_into_an_old_copy_keeps_the_replaced_key(
         "import",
         str(kit),
         "--yes",
+        "--passphrase-stdin",
         input="correct horse battery\n",
     )
     assert r.code == 0, r
