@@ -99,6 +99,38 @@ def vault(vault_db: Path) -> Iterator[Any]:
             shred(vault_db)
 
 
+def key_entry(vault: Any) -> str:
+    """The keyring username of the key version the vault file uses now."""
+    from vault.keyjournal import entry_name
+
+    return entry_name(vault.vault_id, vault.meta()["kid"])
+
+
+def keyring_entries(vault_id: str) -> dict[str, str]:
+    """Every keyring entry of this vault, in any collection: username -> secret.
+
+    Lists through secretstorage, because the `keyring` API cannot list: this is
+    how a test sees a key memvault left behind under a name it did not look up.
+    """
+    import secretstorage
+
+    conn = secretstorage.dbus_init()
+    try:
+        out: dict[str, str] = {}
+        for coll in secretstorage.get_all_collections(conn):
+            assert not coll.is_locked()
+            for item in coll.get_all_items():
+                attrs = item.get_attributes()
+                name = attrs.get("username", "")
+                mine = name == vault_id or name.startswith((vault_id + "/", vault_id + "."))
+                if attrs.get("service") == "memvault" and mine:
+                    assert name not in out, f"two keyring entries named {name}"
+                    out[name] = item.get_secret().decode()
+        return out
+    finally:
+        conn.close()
+
+
 def add_items(db: Path, session_id: str, items: list[Any]) -> None:
     """Write items through the real SDK session, in this process."""
     import vault as vault_pkg

@@ -15,7 +15,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CLIResult, add_items, assistant, raw_bytes, run_cli, user
+from tests.conftest import (
+    CLIResult,
+    add_items,
+    assistant,
+    key_entry,
+    raw_bytes,
+    run_cli,
+    user,
+)
 
 NOT_UTF8 = "\udcff"  # how Python hands over the byte 0xff from the command line
 
@@ -236,14 +244,14 @@ def test_key_import_refuses_a_costly_kit_before_deriving(
     vault: Any, tmp_path: Path, n: int, r: int, p: int
 ) -> None:
     kit = _kit_with(tmp_path, n, r, p)
-    assert vault.keystore.delete(vault.vault_id)
+    assert vault.keystore.delete(key_entry(vault))
     started = time.monotonic()
     res = run_cli(
         "key", "import", "--passphrase-stdin", str(kit), input="wrong passphrase\n", timeout=60
     )
     one_line(res, 1, "asks scrypt for", "memvault never writes such a kit", "nothing was changed")
     assert time.monotonic() - started < 60
-    assert vault.keystore.get(vault.vault_id) is None
+    assert vault.keystore.get(key_entry(vault)) is None
 
 
 def test_kdf_bounds_admit_our_own_kits() -> None:

@@ -12,30 +12,44 @@ from typing import Any
 import keyring
 import pytest
 
-from tests.conftest import add_items, assistant, insert_sealed, raw_bytes, rows, run_cli, user
+from tests.conftest import (
+    add_items,
+    assistant,
+    insert_sealed,
+    key_entry,
+    keyring_entries,
+    raw_bytes,
+    rows,
+    run_cli,
+    user,
+)
 from vault import Vault
 
-COMMANDS = [
-    "init",
-    "status",
-    "sessions",
-    "show",
-    "pop",
-    "clear",
-    "ttl",
-    "purge",
-    "rotate",
-    "revoke",
-    "shred",
-    "log",
-    "demo",
-    "import",
-    "key",
-    "key export",
-    "key import",
-    "chat",
-    "completion",
-]
+
+def all_commands() -> list[str]:
+    """Every command and subcommand the `memvault` group has, walked from Click itself,
+    so a new command cannot miss its --help test."""
+    import click
+
+    from vault.cli import cli
+
+    def walk(group: click.Group, prefix: str) -> list[str]:
+        out = []
+        for name, cmd in sorted(group.commands.items()):
+            out.append(prefix + name)
+            if isinstance(cmd, click.Group):
+                out += walk(cmd, prefix + name + " ")
+        return out
+
+    return walk(cli, "")
+
+
+COMMANDS = all_commands()
+
+
+def test_the_command_list_is_walked_from_the_group() -> None:
+    # A walk that found nothing would make the --help test below pass vacuously.
+    assert {"init", "status", "rotate", "shred", "key", "key list", "key import"} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -75,7 +89,7 @@ def test_init_creates_private_files_and_a_keyring_key(vault_db: Path) -> None:
             assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     finally:
         live.close()
-    key = keyring.get_password("memvault", info["vault_id"])
+    key = keyring.get_password("memvault", f"{info['vault_id']}/{info['kid']}")
     assert key and Vault.open(vault_db).sealer().kid == info["kid"]
     # The key is nowhere in the file, nor in what init printed.
     assert key.encode() not in raw_bytes(vault_db)
@@ -84,12 +98,12 @@ def test_init_creates_private_files_and_a_keyring_key(vault_db: Path) -> None:
 
 def test_init_refuses_an_existing_vault_and_changes_nothing(vault: Any, vault_db: Path) -> None:
     before = raw_bytes(vault_db)
-    key = keyring.get_password("memvault", vault.vault_id)
+    key = keyring.get_password("memvault", key_entry(vault))
     r = run_cli("init")
     assert r.code == 1
     assert "already exists" in r.err and len(r.err.strip().splitlines()) == 1
     assert raw_bytes(vault_db) == before
-    assert keyring.get_password("memvault", vault.vault_id) == key
+    assert keyring.get_password("memvault", key_entry(vault)) == key
 
 
 def test_init_refuses_to_overwrite_another_file(vault_db: Path) -> None:
@@ -247,7 +261,7 @@ def test_shred_removes_key_rows_and_files(vault: Any, vault_db: Path, tmp_path: 
     assert not any(
         vault_db.with_name(vault_db.name + s).exists() for s in ("", "-wal", "-shm", "-journal")
     )
-    assert keyring.get_password("memvault", vid) is None
+    assert keyring_entries(vid) == {}
     assert json.loads(receipt.read_text())["vault_id"] == vid
     assert stat.S_IMODE(os.stat(receipt).st_mode) == 0o600
 
@@ -255,7 +269,7 @@ def test_shred_removes_key_rows_and_files(vault: Any, vault_db: Path, tmp_path: 
 def test_shred_asks_first(vault: Any, vault_db: Path) -> None:
     r = run_cli("shred")
     assert r.code == 1 and "aborted" in r.err
-    assert vault_db.exists() and keyring.get_password("memvault", vault.vault_id)
+    assert vault_db.exists() and keyring.get_password("memvault", key_entry(vault))
 
 
 @pytest.mark.parametrize("args", [["rotate"], ["purge", "--yes"], ["shred", "--yes"]])

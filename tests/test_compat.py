@@ -15,7 +15,7 @@ from agents.extensions.memory import EncryptedSession
 from agents.testing import ScriptedModel, assistant_message
 
 import vault as vault_pkg
-from tests.conftest import add_items, assistant, rows, user
+from tests.conftest import add_items, assistant, key_entry, rows, user
 from vault import crypto, durations
 
 
@@ -45,7 +45,7 @@ def test_usable_as_runner_session(vault: Any, vault_db: Path) -> None:
 
 def test_sdk_reads_what_the_vault_wrote(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("written by the vault"), assistant("ok")])
-    key = keyring.get_password("memvault", vault.vault_id)
+    key = keyring.get_password("memvault", key_entry(vault))
     assert key
 
     async def go() -> list[Any]:

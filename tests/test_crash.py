@@ -5,9 +5,10 @@ written directly in one transaction), then its file bytes and key are restored
 before every kill. After each kill the *next command* (`memvault --json status`,
 a fresh process) must finish or undo the rotation, and then: 0 items lost, every
 item decrypts to its original, timestamps unchanged, `PRAGMA integrity_check`
-ok, every envelope under the file's kid, exactly one keyring entry for the vault
-and it matches the file, and, once the rotation committed, none of the old
-ciphertext left in the files.
+ok, every envelope under the file's kid, exactly the keyring entries the state
+table of docs/keys.md says a settled vault has (one, `<vault_id>/<kid>`, holding
+the file's key) and a journal with no pending or retired version, and, once the
+rotation committed, none of the old ciphertext left in the files.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import raw_bytes, run_cli
+from tests.conftest import keyring_entries, raw_bytes, run_cli
 from vault import crypto
-from vault.keys import PENDING_SUFFIX, SERVICE, KeyStore
+from vault.keyjournal import entry_name
+from vault.keys import KeyStore
 from vault.store import Vault, shred
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,36 +125,18 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BigVault]:
 
 
 def restore(big: BigVault) -> None:
-    """The vault as built: file bytes back, the original key current, no `.next`."""
+    """The vault as built: file bytes back, only the original key's entry in the keyring."""
     for suffix in ("-wal", "-shm", "-journal"):
         big.db.with_name(big.db.name + suffix).unlink(missing_ok=True)
     big.db.write_bytes(big.image)
     os.chmod(big.db, 0o600)
     ks = KeyStore()
-    ks.set(big.vault_id, big.key)
-    ks.delete_pending(big.vault_id)
-    assert vault_entries(big.vault_id) == {big.vault_id: big.key}
-
-
-def vault_entries(vault_id: str) -> dict[str, str]:
-    """Every keyring entry (any collection) of this vault: username -> secret."""
-    import secretstorage
-
-    conn = secretstorage.dbus_init()
-    try:
-        out: dict[str, str] = {}
-        for coll in secretstorage.get_all_collections(conn):
-            assert not coll.is_locked()
-            for item in coll.get_all_items():
-                attrs = item.get_attributes()
-                name = attrs.get("username", "")
-                mine = name in (vault_id, vault_id + PENDING_SUFFIX)
-                if attrs.get("service") == SERVICE and mine:
-                    assert name not in out, f"two keyring entries named {name}"
-                    out[name] = item.get_secret().decode()
-        return out
-    finally:
-        conn.close()
+    original = entry_name(big.vault_id, big.kid)
+    for name in keyring_entries(big.vault_id):
+        if name != original:
+            ks.delete(name)
+    ks.set(original, big.key)
+    assert keyring_entries(big.vault_id) == {original: big.key}
 
 
 # --------------------------------------------------------------------------
@@ -160,7 +144,8 @@ def vault_entries(vault_id: str) -> dict[str, str]:
 # --------------------------------------------------------------------------
 @dataclass
 class Outcome:
-    pending_before: bool
+    old_entry_before: bool  # the original key's entry, right after the kill
+    new_entry_before: bool  # an entry of a new key, right after the kill
     rotated: bool
 
 
@@ -200,7 +185,9 @@ def check_after_kill(big: BigVault, label: str) -> Outcome:
 
 
 def _check_after_kill(big: BigVault, label: str) -> Outcome:
-    pending_before = KeyStore().get_pending(big.vault_id) is not None
+    before = keyring_entries(big.vault_id)
+    original = entry_name(big.vault_id, big.kid)
+    old_before, new_before = original in before, any(n != original for n in before)
 
     # The next command, in a fresh process: it finishes or undoes the rotation.
     st = run_cli("--db", str(big.db), "--json", "status")
@@ -209,10 +196,10 @@ def _check_after_kill(big: BigVault, label: str) -> Outcome:
     if doc["key"] != "present and matching":
         # What the keyring held (names and key ids, never the keys): tells a keyring that
         # lost or doubled an entry apart from memvault misjudging a healthy one.
-        held = {name: crypto.key_id(key) for name, key in vault_entries(big.vault_id).items()}
+        held = {name: crypto.key_id(key) for name, key in keyring_entries(big.vault_id).items()}
         pytest.fail(
             f"{label}: key {doc['key']!r}: {doc.get('key_problem')}; file kid "
-            f"{doc.get('kid')}; keyring held {held}; pending before: {pending_before}"
+            f"{doc.get('kid')}; keyring held {held}; right after the kill it held {sorted(before)}"
         )
     assert doc["items"] == N_ITEMS and doc["readable"] == N_ITEMS, (label, doc)
     assert doc["unreadable"] == 0 and doc["expired"] == 0, (label, doc)
@@ -231,10 +218,16 @@ def _check_after_kill(big: BigVault, label: str) -> Outcome:
     changed = [rid for rid, data in stored if crypto.token_timestamp(data) != big.timestamps[rid]]
     assert changed == [], (label, changed[:5])
 
-    # Exactly one key in the keyring, under the vault's own name, matching the file.
-    entries = vault_entries(big.vault_id)
-    assert list(entries) == [big.vault_id], (label, sorted(entries))
-    assert crypto.key_id(entries[big.vault_id]) == file_kid, label
+    # The settled state of docs/keys.md: one entry, the file's key version, and a journal
+    # with that version current and every other one destroyed.
+    entries = keyring_entries(big.vault_id)
+    name = entry_name(big.vault_id, file_kid)
+    assert list(entries) == [name], (label, sorted(entries))
+    assert crypto.key_id(entries[name]) == file_kid, label
+    with contextlib.closing(sqlite3.connect(big.db)) as conn:
+        journal = dict(conn.execute("SELECT kid, state FROM memvault_keys").fetchall())
+    assert journal.pop(file_kid) == "current", (label, journal)
+    assert set(journal.values()) <= {"destroyed"}, (label, journal)
 
     # Every item decrypts to its original, in order, in every session.
     fresh = Vault.open(big.db)
@@ -249,7 +242,7 @@ def _check_after_kill(big: BigVault, label: str) -> Outcome:
         # The interrupted scrub was finished by the next command: no old ciphertext anywhere.
         left = big.old_prefixes & set(TOKEN_PREFIX.findall(raw_bytes(big.db)))
         assert not left, (label, len(left))
-    return Outcome(pending_before, rotated)
+    return Outcome(old_before, new_before, rotated)
 
 
 # --------------------------------------------------------------------------
@@ -339,13 +332,13 @@ def test_sigkill_at_random_instants(big: BigVault) -> None:
     assert proc.returncode == 0, err
     marks = {name: float(t) for name, t in (line.split() for line in out.splitlines())}
     assert marks["rows"] == N_ITEMS
-    assert marks["after-commit"] < marks["after-promotion"] < marks["done"]
+    assert marks["after-commit"] < marks["after-retired-deleted"] < marks["done"]
     assert check_after_kill(big, "uninterrupted").rotated
 
     # Kill instants are set by progress, not by the clock, so that a slow (busy)
     # machine shifts them with the work: most when a random number of rows has been
     # re-encrypted (inside the transaction: the rest of the rows is still to do), the
-    # rest a random share of the way through the promotion or the scrub.
+    # rest a random share of the way through deleting the old key or the scrub.
     before = N_RANDOM_KILLS * 3 // 4
     after = N_RANDOM_KILLS - before
     targets: list[tuple[str, Callable[[str, float], bool], Callable[[dict[str, float]], float]]]
@@ -361,7 +354,9 @@ def test_sigkill_at_random_instants(big: BigVault) -> None:
         )
     for i in range(after):
         step, following = (
-            ("after-commit", "after-promotion") if i % 2 == 0 else ("after-promotion", "done")
+            ("after-commit", "after-retired-deleted")
+            if i % 2 == 0
+            else ("after-retired-deleted", "done")
         )
         share = (i // 2 + rng.random()) / ((after + 1) // 2)
         span = marks[following] - marks[step]
@@ -385,25 +380,26 @@ def test_sigkill_at_random_instants(big: BigVault) -> None:
             continue
         killed += 1
         if not o.rotated:
-            outcomes["pending stored, not committed" if o.pending_before else "before .next"] += 1
+            outcomes["new key stored, not committed" if o.new_entry_before else "before it"] += 1
         else:
-            outcomes["committed, not promoted" if o.pending_before else "promoted"] += 1
+            outcomes["committed, old key kept" if o.old_entry_before else "old key deleted"] += 1
 
     summary = f"seed={seed} marks={marks} killed={killed} outcomes={dict(outcomes)}"
     print(summary)
     # The kills really landed inside the rotation, on both sides of its commit.
     assert killed >= N_RANDOM_KILLS // 2, summary
-    assert outcomes["pending stored, not committed"] >= 1, summary
-    assert outcomes["committed, not promoted"] + outcomes["promoted"] >= 1, summary
+    assert outcomes["new key stored, not committed"] >= 1, summary
+    assert outcomes["committed, old key kept"] + outcomes["old key deleted"] >= 1, summary
 
 
 FAILPOINTS = {
-    # name: (pending key still in the keyring right after the kill, rotation committed)
-    "after-pending": (True, False),
-    "in-transaction": (True, False),
-    "after-commit": (True, True),
-    "after-promotion": (False, True),
-    "during-scrub": (False, True),
+    # name: (old entry, new entry right after the kill, rotation committed)
+    "after-record-pending": (True, False, False),
+    "after-pending": (True, True, False),
+    "in-transaction": (True, True, False),
+    "after-commit": (True, True, True),
+    "after-retired-deleted": (False, True, True),
+    "during-scrub": (False, True, True),
 }
 
 
@@ -415,7 +411,9 @@ def test_sigkill_at_each_named_step(big: BigVault, point: str) -> None:
 
     outcome = check_after_kill(big, point)
 
-    assert (outcome.pending_before, outcome.rotated) == FAILPOINTS[point]
+    assert (outcome.old_entry_before, outcome.new_entry_before, outcome.rotated) == (
+        FAILPOINTS[point]
+    )
 
 
 def test_killed_again_while_recovering(big: BigVault) -> None:
@@ -431,30 +429,27 @@ def test_killed_again_while_recovering(big: BigVault) -> None:
     assert outcome.rotated
 
 
-def test_rotation_started_during_a_promotion_is_never_stranded(
-    big: BigVault, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A second rotation, started while the first promotes its key and killed right after
-    its own commit, must not lose its pending key to the first one's clean-up."""
+def test_a_rotation_during_another_ones_clean_up_is_never_stranded(big: BigVault) -> None:
+    """A second rotation, started while the first deletes its old key and killed right
+    after its own commit, must not lose its key to either one's clean-up."""
     restore(big)
     env = {"MEMVAULT_FAILPOINT": "after-commit", "MEMVAULT_LOCK_TIMEOUT": "2"}
     second: list[Any] = []
 
     class Interleaving(KeyStore):
-        def delete_pending(self, vault_id: str) -> bool:
+        def delete(self, name: str) -> bool:
             if not second:
-                # The first rotation committed and stored its key: a second one runs now.
+                # The first rotation committed: a second one runs now.
                 second.append(run_cli("--db", str(big.db), "rotate", env=env))
-            return super().delete_pending(vault_id)
+            return super().delete(name)
 
     first = Vault.open(big.db, keystore=Interleaving())
-    with contextlib.suppress(Exception):
-        first.rotate()
+    first.rotate()
     assert second, "the interleaving hook never ran"
-    # The second rotation either waited its turn and gave up (busy) or was killed.
-    assert second[0].code in (5, KILLED), second[0]
+    assert second[0].code == KILLED, second[0]  # it ran to its own commit
 
-    check_after_kill(big, "interleaved rotations")
+    outcome = check_after_kill(big, "interleaved rotations")
+    assert outcome.rotated
 
 
 def _revoke_hook(big: BigVault, results: list[Any]) -> Callable[[], None]:
@@ -474,20 +469,38 @@ def _revoke_hook(big: BigVault, results: list[Any]) -> Callable[[], None]:
     return hook
 
 
-def test_recovery_promotion_never_resurrects_a_revoked_key(big: BigVault) -> None:
-    """Revoke racing the promotion a later open does after a crashed rotation."""
+def test_a_revoke_during_a_rotations_clean_up_leaves_no_key(big: BigVault) -> None:
+    """Revoke while a committed rotation deletes its old key: no key may come back."""
     restore(big)
-    r = run_cli("--db", str(big.db), "rotate", env={"MEMVAULT_FAILPOINT": "after-commit"})
-    assert r.code == KILLED, r
-    pending = KeyStore().get_pending(big.vault_id)
-    assert pending is not None
     revoke: list[Any] = []
     hook = _revoke_hook(big, revoke)
 
     class Interleaving(KeyStore):
-        def set(self, vault_id: str, key: str) -> None:
-            hook()  # a revoke runs just as this process promotes the pending key
-            super().set(vault_id, key)
+        def delete(self, name: str) -> bool:
+            hook()  # a revoke runs just as the rotation deletes the retired key
+            return super().delete(name)
+
+    rotator = Vault.open(big.db, keystore=Interleaving())
+    with contextlib.suppress(Exception):
+        rotator.rotate()
+    assert revoke and revoke[0].code == 0, revoke
+    assert keyring_entries(big.vault_id) == {}
+    assert run_cli("--db", str(big.db), "--json", "status").json()["key"] == "key revoked"
+
+
+def test_a_revoke_during_the_next_opens_clean_up_waits_or_wins(big: BigVault) -> None:
+    """Revoke racing the clean-up a later open does after a crashed rotation."""
+    restore(big)
+    r = run_cli("--db", str(big.db), "rotate", env={"MEMVAULT_FAILPOINT": "after-commit"})
+    assert r.code == KILLED, r
+    assert len(keyring_entries(big.vault_id)) == 2  # the new key's and the retired one's
+    revoke: list[Any] = []
+    hook = _revoke_hook(big, revoke)
+
+    class Interleaving(KeyStore):
+        def delete(self, name: str) -> bool:
+            hook()  # a revoke runs just as this open deletes the retired key
+            return super().delete(name)
 
     opener = Vault.open(big.db, keystore=Interleaving())
     with contextlib.suppress(Exception):
@@ -495,9 +508,9 @@ def test_recovery_promotion_never_resurrects_a_revoked_key(big: BigVault) -> Non
     assert revoke, "the interleaving hook never ran"
     if revoke[0].code == 0:
         # The revoke went through: no key may come back.
-        assert vault_entries(big.vault_id) == {}
+        assert keyring_entries(big.vault_id) == {}
         assert run_cli("--db", str(big.db), "--json", "status").json()["key"] == "key revoked"
     else:
-        # The revoke waited for the promotion and gave up: the vault is intact.
+        # The open held the write lock: the revoke waited and gave up; the vault is intact.
         assert revoke[0].code == 5, revoke[0]
-        check_after_kill(big, "revoke refused during promotion")
+        check_after_kill(big, "revoke refused during the clean-up")

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import keyring_entries, run_cli
 from tests.crashkit import (
     ROOT,
     integrity,
@@ -42,6 +42,7 @@ from tests.crashkit import (
     writer_items,
 )
 from vault import crypto
+from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 from vault.store import Vault, shred
 
@@ -177,8 +178,11 @@ def restore(img: Image) -> None:
         img.plain.with_name(img.plain.name + suffix).unlink(missing_ok=True)
     (img.kit.parent / "exported.json").unlink(missing_ok=True)
     ks = KeyStore()
-    ks.set(img.vault_id, img.key)
-    ks.delete_pending(img.vault_id)
+    original = entry_name(img.vault_id, crypto.key_id(img.key))
+    for name in keyring_entries(img.vault_id):
+        if name != original:
+            ks.delete(name)
+    ks.set(original, img.key)
 
 
 # --------------------------------------------------------------------------
@@ -210,10 +214,11 @@ def commands(img: Image) -> dict[str, Command]:
             ["rotate"],
             random_kills=2,
             failpoints=(
+                "after-record-pending",
                 "after-pending",
                 "in-transaction",
                 "after-commit",
-                "after-promotion",
+                "after-retired-deleted",
                 "during-scrub",
             ),
         ),
@@ -221,7 +226,7 @@ def commands(img: Image) -> dict[str, Command]:
             ["revoke", "--yes"],
             kind="revoke",
             random_kills=2,
-            failpoints=("revoke-after-mark", "revoke-after-pending"),
+            failpoints=("revoke-after-mark", "after-destroy-entry"),
         ),
         "import": Command(
             ["import", str(img.plain)],
@@ -254,6 +259,7 @@ def check(img: Image, cmd: Command, label: str) -> str:
             again = run_cli("--db", str(img.db), "shred", "--yes")
             assert again.code == 0, (label, again)
         assert not any(img.db.parent.iterdir()), label
+        assert keyring_entries(img.vault_id) == {}, label
         return "after"
     assert st.code == 0, (label, st)
     assert integrity(img.db) == [("ok",)], label
@@ -262,12 +268,16 @@ def check(img: Image, cmd: Command, label: str) -> str:
         # The key went first: the rest of the shred is to finish, and finishing works.
         again = run_cli("--db", str(img.db), "shred", "--yes")
         assert again.code == 0 and not any(img.db.parent.iterdir()), (label, again)
+        assert keyring_entries(img.vault_id) == {}, label
         return "after"
     if doc["key"] != "present and matching":
         assert cmd.kind == "revoke" and doc["key"].startswith("key revoked"), (label, doc)
         if doc["key"] != "key revoked":  # a revoke to finish: finishing it must work
             assert run_cli("--db", str(img.db), "revoke", "--yes").code == 0, label
+        assert keyring_entries(img.vault_id) == {}, label
         return "after"
+    # The settled state of docs/keys.md: exactly the file's key version in the keyring.
+    assert list(keyring_entries(img.vault_id)) == [entry_name(img.vault_id, doc["kid"])], label
     vault = Vault.open(img.db)
     got = {sid: vault.items(sid)[0] for sid in vault.session_ids()}
     got = {sid: items for sid, items in got.items() if items}

@@ -56,6 +56,7 @@ def probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]
         ["log"],
         ["rotate"],
         ["clear", "s1", "--yes"],
+        ["key", "list"],
         ["completion", "bash"],
         ["completion", "zsh"],
         ["completion", "fish"],

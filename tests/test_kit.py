@@ -10,14 +10,22 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import add_items, assistant, run_cli, run_on_terminal, user
+from tests.conftest import (
+    add_items,
+    assistant,
+    key_entry,
+    keyring_entries,
+    run_cli,
+    run_on_terminal,
+    user,
+)
 
 PASS = "correct horse battery staple"
 HISTORY = [user("the code name is NORD-42"), assistant("Noted: NORD-42.")]
 
 
 def keyring_key(vault: Any) -> str:
-    key = vault.keystore.get(vault.vault_id)
+    key = vault.keystore.get(key_entry(vault))
     assert key
     return str(key)
 
@@ -43,9 +51,15 @@ def export(kit: Path, *args: str, passphrase: str = PASS) -> Any:
 
 
 def import_(kit: Path, *args: str, passphrase: str = PASS, extra: str = "") -> Any:
-    return run_cli(
-        *args, "key", "import", "--passphrase-stdin", str(kit), input=passphrase + "\n" + extra
-    )
+    if not extra:
+        return run_cli(
+            *args, "key", "import", "--passphrase-stdin", str(kit), input=passphrase + "\n"
+        )
+    # Answers to questions on stdin: the passphrase comes from a file instead.
+    pw = kit.with_name(kit.name + ".pass")
+    pw.write_text(passphrase + "\n")
+    pw.chmod(0o600)
+    return run_cli(*args, "key", "import", "--passphrase-file", str(pw), str(kit), input=extra)
 
 
 def copy_vault(src: Path, dest: Path) -> None:
@@ -80,7 +94,7 @@ def test_new_laptop_round_trip(vault: Any, vault_db: Path, tmp_path: Path) -> No
     # The new laptop: a copy of the vault file, and a keyring without the key.
     laptop = tmp_path / "laptop" / "history.db"
     copy_vault(vault_db, laptop)
-    assert vault.keystore.delete(vault.vault_id)
+    assert vault.keystore.delete(key_entry(vault))
     r_show = run_cli("--db", str(laptop), "show", "carnet-local")
     assert r_show.code == 4, r_show
     assert "key import" in one_line_error(r_show)
@@ -88,7 +102,7 @@ def test_new_laptop_round_trip(vault: Any, vault_db: Path, tmp_path: Path) -> No
     r_import = import_(kit, "--db", str(laptop))
     assert r_import.code == 0, r_import
     assert "restored key" in r_import.out
-    assert vault.keystore.get(vault.vault_id) == key
+    assert vault.keystore.get(key_entry(vault)) == key
 
     r_show = run_cli("--db", str(laptop), "--json", "show", "carnet-local")
     assert r_show.code == 0, r_show
@@ -107,21 +121,21 @@ def test_wrong_passphrase(vault: Any, tmp_path: Path) -> None:
     key = keyring_key(vault)
     kit = tmp_path / "kit.json"
     assert export(kit).code == 0
-    assert vault.keystore.delete(vault.vault_id)
+    assert vault.keystore.delete(key_entry(vault))
     r = import_(kit, passphrase="not the passphrase")
     assert r.code == 1, r
     assert "wrong passphrase" in one_line_error(r)
-    assert vault.keystore.get(vault.vault_id) is None  # nothing was stored
+    assert vault.keystore.get(key_entry(vault)) is None  # nothing was stored
     no_secret(key, r)
     assert import_(kit).code == 0
-    assert vault.keystore.get(vault.vault_id) == key
+    assert vault.keystore.get(key_entry(vault)) == key
 
 
 def test_tampered_kit(vault: Any, tmp_path: Path) -> None:
     key = keyring_key(vault)
     kit = tmp_path / "kit.json"
     assert export(kit).code == 0
-    assert vault.keystore.delete(vault.vault_id)
+    assert vault.keystore.delete(key_entry(vault))
     doc = json.loads(kit.read_text())
 
     def variant(name: str, change: Any) -> Path:
@@ -159,7 +173,7 @@ def test_tampered_kit(vault: Any, tmp_path: Path) -> None:
         r = import_(p)
         assert r.code == 1, (p.name, r)
         assert "not a usable memvault recovery kit" in one_line_error(r)
-    assert vault.keystore.get(vault.vault_id) is None
+    assert vault.keystore.get(key_entry(vault)) is None
     assert import_(kit).code == 0  # the untouched kit still works
 
 
@@ -172,12 +186,12 @@ def test_kit_from_another_vault(vault: Any, tmp_path: Path) -> None:
     try:
         kit = tmp_path / "other-kit.json"
         assert export(kit, "--db", str(other_db)).code == 0
-        assert vault.keystore.delete(vault.vault_id)
+        assert vault.keystore.delete(key_entry(vault))
         r = import_(kit)
         assert r.code == 4, r
         err = one_line_error(r)
         assert other.vault_id in err and vault.vault_id in err
-        assert vault.keystore.get(vault.vault_id) is None
+        assert vault.keystore.get(key_entry(vault)) is None
         no_secret(keyring_key(other), r)
     finally:
         shred(other_db)
@@ -199,7 +213,7 @@ def test_kit_from_before_a_rotation(vault: Any, vault_db: Path, tmp_path: Path) 
     assert r.code == 4, r
     err = one_line_error(r)
     assert old_kid in err and new_kid in err and "rotation" in err
-    assert vault.keystore.get(vault.vault_id) == new_key
+    assert vault.keystore.get(key_entry(vault)) == new_key
 
     # Claiming the new key id in the header does not help: it is authenticated data.
     doc = json.loads(kit.read_text())
@@ -209,12 +223,12 @@ def test_kit_from_before_a_rotation(vault: Any, vault_db: Path, tmp_path: Path) 
     r = import_(forged)
     assert r.code == 1, r
     assert "altered" in one_line_error(r)
-    assert vault.keystore.get(vault.vault_id) == new_key
+    assert vault.keystore.get(key_entry(vault)) == new_key
 
     # A kit exported after the rotation works.
     fresh = tmp_path / "fresh.json"
     assert export(fresh).code == 0
-    assert vault.keystore.delete(vault.vault_id)
+    assert vault.keystore.delete(key_entry(vault))
     assert import_(fresh).code == 0
     assert run_cli("--json", "show", "carnet-local").json()["items"] == HISTORY
 
@@ -226,7 +240,7 @@ def test_revoked_vault_refuses_a_kit(vault: Any, tmp_path: Path) -> None:
     r = import_(kit)
     assert r.code == 4, r
     assert "revoked" in one_line_error(r)
-    assert vault.keystore.get(vault.vault_id) is None
+    assert keyring_entries(vault.vault_id) == {}
 
 
 def test_import_leaves_a_working_key_alone(vault: Any, tmp_path: Path) -> None:
@@ -236,11 +250,11 @@ def test_import_leaves_a_working_key_alone(vault: Any, tmp_path: Path) -> None:
     r = import_(kit)
     assert r.code == 0, r
     assert "already holds" in r.out and "nothing was changed" in r.out
-    assert vault.keystore.get(vault.vault_id) == key
+    assert vault.keystore.get(key_entry(vault)) == key
     no_secret(key, r)
 
 
-def test_import_replaces_a_key_that_does_not_open_the_vault(
+def test_import_replaces_a_damaged_entry_of_its_key(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
     from vault import crypto
@@ -250,19 +264,19 @@ def test_import_replaces_a_key_that_does_not_open_the_vault(
     kit = tmp_path / "kit.json"
     assert export(kit).code == 0
     stranger = crypto.generate_key()
-    vault.keystore.set(vault.vault_id, stranger)
+    vault.keystore.set(key_entry(vault), stranger)
     assert run_cli("show", "carnet-local").code == 4
 
     # Asked first; no answer means no change.
     r = import_(kit)
     assert r.code == 1, r
     assert "aborted" in r.err
-    assert vault.keystore.get(vault.vault_id) == stranger
+    assert vault.keystore.get(key_entry(vault)) == stranger
 
     r = run_cli("key", "import", str(kit), "--yes", "--passphrase-stdin", input=PASS + "\n")
     assert r.code == 0, r
     assert "replaced key " + crypto.key_id(stranger) in r.out
-    assert vault.keystore.get(vault.vault_id) == key
+    assert vault.keystore.get(key_entry(vault)) == key
     assert run_cli("--json", "show", "carnet-local").json()["items"] == HISTORY
     no_secret(key, r)
     event = [e for e in vault.audit_log() if e["event"] == "key-import"][-1]
@@ -291,7 +305,7 @@ def test_export_refusals(vault: Any, tmp_path: Path) -> None:
     assert stat.S_IMODE(kit.stat().st_mode) == 0o600
     assert json.loads(kit.read_text())["vault_id"] == vault.vault_id
 
-    assert vault.keystore.delete(vault.vault_id)
+    assert vault.keystore.delete(key_entry(vault))
     r = export(tmp_path / "nokey.json")
     assert r.code == 4, r
     assert not (tmp_path / "nokey.json").exists()
@@ -319,11 +333,11 @@ def test_terminal_asks_twice_and_hides_the_passphrase(vault: Any, tmp_path: Path
     assert key.encode() not in out
     assert stat.S_IMODE(kit.stat().st_mode) == 0o600
 
-    assert vault.keystore.delete(vault.vault_id)
+    assert vault.keystore.delete(key_entry(vault))
     code, out = run_on_terminal(["key", "import", str(kit)], [(b"Recovery kit passphrase: ", PASS)])
     assert code == 0, out
     assert b"restored key" in out and b"Repeat" not in out
-    assert vault.keystore.get(vault.vault_id) == key
+    assert vault.keystore.get(key_entry(vault)) == key
 
 
 def test_help_of_the_key_commands_has_an_example() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, add_items, run_cli, run_on_terminal, user
+from tests.conftest import ROOT, add_items, key_entry, run_cli, run_on_terminal, user
 
 PASS = "correct horse battery staple"
 
@@ -52,13 +52,13 @@ def holds_open(pid: int, path: Path) -> bool:
 
 
 def lose_key(vault: Any) -> str:
-    key = vault.keystore.get(vault.vault_id)
-    assert key and vault.keystore.delete(vault.vault_id)
+    key = vault.keystore.get(key_entry(vault))
+    assert key and vault.keystore.delete(key_entry(vault))
     return str(key)
 
 
 def restored(vault: Any, key: str) -> bool:
-    return bool(vault.keystore.get(vault.vault_id) == key)
+    return bool(vault.keystore.get(key_entry(vault)) == key)
 
 
 # --------------------------------------------------------------------------
@@ -96,19 +96,22 @@ def test_passphrase_stdin_round_trip_strips_one_newline(vault: Any, tmp_path: Pa
 def test_passphrase_file_can_be_a_process_substitution(vault: Any, tmp_path: Path) -> None:
     # <(...) hands over /dev/fd/63: a pipe, accepted, read to its end.
     kit = tmp_path / "kit.json"
-    script = (
-        '"$PY" -m vault key export --passphrase-file <(printf "%s\\n" "$PW") "$KIT" && '
-        '"$PY" -c "import vault; v = vault.Vault.open(); v.keystore.delete(v.vault_id)" && '
-        '"$PY" -m vault key import --passphrase-file <(sleep 1; printf %s "$PW") "$KIT"'
-    )
     env = dict(os.environ, PY=sys.executable, PW=PASS, KIT=str(kit))
-    proc = subprocess.run(
-        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+
+    def bash(script: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+
+    proc = bash('"$PY" -m vault key export --passphrase-file <(printf "%s\\n" "$PW") "$KIT"')
+    assert proc.returncode == 0, proc
+    key = lose_key(vault)
+    # The writer takes a moment: memvault waits for it.
+    proc = bash('"$PY" -m vault key import --passphrase-file <(sleep 1; printf %s "$PW") "$KIT"')
     assert proc.returncode == 0, proc
     assert "restored key" in proc.stdout and PASS not in proc.stdout + proc.stderr
     assert "readable by other users" not in proc.stderr  # a pipe is not a shared file
-    assert vault.sealer(refresh=True).kid == vault.meta()["kid"]
+    assert restored(vault, key)
 
 
 def test_a_named_fifo_whose_writer_starts_late_is_read(vault: Any, tmp_path: Path) -> None:
@@ -179,7 +182,7 @@ def test_no_terminal_and_no_option_names_both_options(
     assert PASS not in r.out + r.err
     assert (kit.read_bytes() if kit.exists() else None) == before
     if key is not None:
-        assert vault.keystore.get(vault.vault_id) is None
+        assert vault.keystore.get(key_entry(vault)) is None
 
 
 def test_both_options_are_a_usage_error(vault: Any, tmp_path: Path) -> None:
@@ -282,8 +285,8 @@ def test_import_with_stdin_passphrase_needs_yes_for_the_question(
 
     kit = tmp_path / "kit.json"
     assert run_cli("key", "export", "--passphrase-stdin", str(kit), input=PASS).code == 0
-    key = str(vault.keystore.get(vault.vault_id))
-    vault.keystore.set(vault.vault_id, crypto.generate_key())
+    key = str(vault.keystore.get(key_entry(vault)))
+    vault.keystore.set(key_entry(vault), crypto.generate_key())  # a damaged entry
     # stdin holds the passphrase and nothing else: an answer after it is a second line.
     r = run_cli("key", "import", "--passphrase-stdin", str(kit), input=PASS + "\ny\n")
     one_line_error(r, 2, "more than one line")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import add_items, user
+from tests.conftest import add_items, key_entry, user
 from vault import files, kit, paths
 
 REAL_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -141,13 +141,13 @@ def test_vault_init_and_shred_without_fchmod_or_O_NOFOLLOW(
     assert stat.S_IMODE(vault_db.stat().st_mode) == 0o600
     assert stat.S_IMODE(vault_db.parent.stat().st_mode) == 0o700
     add_items(vault_db, "s1", [user("the code name is NORD-42")])
-    vault_id = v.vault_id
-    assert v.keystore.get(vault_id)
+    entry = key_entry(v)
+    assert v.keystore.get(entry)
 
     report = shred(vault_db)
     assert report["key_destroyed"] is True, report
     assert not any(os.path.lexists(p) for p in paths.sidecars(vault_db))
-    assert v.keystore.get(vault_id) is None
+    assert v.keystore.get(entry) is None
     assert open_flags and no_nofollow(open_flags)
 
 

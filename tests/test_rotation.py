@@ -32,7 +32,8 @@ from cryptography.fernet import Fernet
 from tests.conftest import CLIResult, add_items, assistant, raw_bytes, run_cli, user
 from vault import crypto
 from vault.errors import KeyRevoked
-from vault.keys import PENDING_SUFFIX, SERVICE, KeyStore
+from vault.keyjournal import entry_name
+from vault.keys import SERVICE
 from vault.store import Vault
 
 KILLED = -signal.SIGKILL
@@ -111,7 +112,8 @@ def vault_entries(vault_id: str) -> dict[str, str]:
         attrs["username"]: secret
         for attrs, secret in keyring_secrets()
         if attrs.get("service") == SERVICE
-        and attrs.get("username") in (vault_id, vault_id + PENDING_SUFFIX)
+        and attrs.get("username", "").startswith((vault_id + "/", vault_id + "."))
+        or attrs.get("username") == vault_id
     }
 
 
@@ -265,12 +267,11 @@ def test_rotate_reencrypts_everything_keeps_timestamps_and_forgets_old_key(
         assert item not in visible
     assert reopened.items("chat-aged", now=now)[1] == 1  # "stale" is still expired
 
-    # The old key exists nowhere in the keyring; the new one only under the vault's name.
+    # The old key exists nowhere in the keyring; the new one only under its own version.
     entries = vault_entries(vault_id)
-    assert entries == {vault_id: new.master_key}
+    assert entries == {entry_name(vault_id, new.kid): new.master_key}
     everything = [secret for _, secret in keyring_secrets()]
     assert old.master_key not in everything
-    assert KeyStore().get_pending(vault_id) is None
 
 
 def test_rotate_keeps_unreadable_rows_and_counts_them(vault: Vault, vault_db: Path) -> None:
@@ -313,8 +314,8 @@ def test_cli_rotate_json_report(vault: Vault, vault_db: Path) -> None:
     assert shown.code == 0, shown
     assert shown.json()["items"] == expected["chat-a"]
     vid = vault.vault_id
-    assert set(vault_entries(vid)) == {vid}
-    assert crypto.key_id(vault_entries(vid)[vid]) == doc["new_kid"]
+    assert set(vault_entries(vid)) == {entry_name(vid, doc["new_kid"])}
+    assert crypto.key_id(vault_entries(vid)[entry_name(vid, doc["new_kid"])]) == doc["new_kid"]
 
 
 def test_rotation_is_one_transaction_with_synchronous_full(
@@ -637,7 +638,7 @@ def test_revoke_without_yes_and_without_tty_aborts(vault: Vault, vault_db: Path)
     assert lines[1].startswith("memvault: error: aborted"), r
     assert raw_bytes(vault_db) == before
     assert "revoked_at" not in db_meta(vault_db)
-    assert vault_entries(vault.vault_id) == {vault.vault_id: key}
+    assert vault_entries(vault.vault_id) == {entry_name(vault.vault_id, vault.sealer().kid): key}
     assert run_cli("--json", "status").json()["key"] == "present and matching"
     assert Vault.open(vault_db).items("chat-a") == (expected["chat-a"], 0, 0)
 
@@ -647,11 +648,10 @@ def test_revoke_destroys_current_and_pending_key(vault: Vault, vault_db: Path, h
     populate(vault_db)
     vault_id = vault.vault_id
     current = vault.sealer().master_key
-    # A rotation killed after storing its pending key leaves `.next` behind.
+    # A rotation killed after storing its pending key leaves that key's entry behind.
     killed = run_cli("rotate", env={"MEMVAULT_FAILPOINT": "after-pending"})
     assert killed.code == KILLED, killed
-    pending = KeyStore().get_pending(vault_id)
-    assert pending is not None and pending != current
+    (pending,) = [k for k in vault_entries(vault_id).values() if k != current]
 
     if how == "--yes":
         r = run_cli("--json", "revoke", "--yes")
@@ -662,6 +662,8 @@ def test_revoke_destroys_current_and_pending_key(vault: Vault, vault_db: Path, h
     doc = json.loads(r.out[r.out.index("{") :])
     assert doc["vault_id"] == vault_id and doc["key_destroyed"] is True
     assert doc["already_revoked"] is False
+    kids = sorted(crypto.key_id(k) for k in (current, pending))
+    assert doc["destroyed_kids"] == kids and doc["other_copies_kids"] == [], doc
     assert_revoked_state(vault_db, vault_id, [current, pending])
     # shred still works without the key.
     s = run_cli("--json", "shred", "--yes")
@@ -670,7 +672,7 @@ def test_revoke_destroys_current_and_pending_key(vault: Vault, vault_db: Path, h
     assert not vault_db.exists()
 
 
-@pytest.mark.parametrize("point", ["revoke-after-mark", "revoke-after-pending"])
+@pytest.mark.parametrize("point", ["revoke-after-mark", "after-destroy-entry"])
 def test_revoke_killed_half_way_then_run_again_finishes(
     vault: Vault, vault_db: Path, point: str
 ) -> None:
@@ -679,8 +681,7 @@ def test_revoke_killed_half_way_then_run_again_finishes(
     current = vault.sealer().master_key
     killed = run_cli("rotate", env={"MEMVAULT_FAILPOINT": "after-pending"})
     assert killed.code == KILLED, killed
-    pending = KeyStore().get_pending(vault_id)
-    assert pending is not None
+    (pending,) = [k for k in vault_entries(vault_id).values() if k != current]
 
     r = run_cli("revoke", "--yes", env={"MEMVAULT_FAILPOINT": point})
 
@@ -692,8 +693,8 @@ def test_revoke_killed_half_way_then_run_again_finishes(
     assert st["key"].startswith("key revoked (incomplete"), st
     assert "memvault revoke" in st["key_problem"]
     assert run_cli("show", "chat-a").code == 4
-    # ... but the key is still (partly) in the keyring.
-    assert vault_id in vault_entries(vault_id)
+    # ... but a key is still in the keyring.
+    assert vault_entries(vault_id)
 
     again = run_cli("--json", "revoke", "--yes")
 
@@ -721,10 +722,10 @@ def test_writer_holding_the_key_cannot_write_after_revoke(vault: Vault, vault_db
         assert conn.execute("SELECT count(*) FROM agent_messages").fetchone()[0] == 2
 
 
-def test_revoke_during_a_rotation_is_never_undone_by_its_promotion(
+def test_revoke_during_a_rotation_is_never_undone_by_its_clean_up(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A revoke that lands between a rotation's commit and its key promotion wins."""
+    """A revoke that lands between a rotation's commit and its old key's deletion wins."""
     import vault.testhooks as testhooks
 
     populate(vault_db)

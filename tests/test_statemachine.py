@@ -33,18 +33,21 @@ from hypothesis.stateful import (
 )
 
 import vault.testhooks as testhooks
+from tests.conftest import keyring_entries
 from vault import crypto
 from vault.errors import UnknownSession
+from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 from vault.store import Vault, shred
 
 TTL = 1000
 SESSIONS = st.sampled_from(["alpha", "beta", "gamma"])
 ROTATION_STEPS = [
+    "after-record-pending",
     "after-pending",
     "in-transaction",
     "after-commit",
-    "after-promotion",
+    "after-retired-deleted",
     "during-scrub",
 ]
 
@@ -69,8 +72,8 @@ class VaultMachine(RuleBasedStateMachine):
         with contextlib.suppress(Exception):
             shred(self.db)
         with contextlib.suppress(Exception):
-            self.keystore.delete(self.vault_id)
-            self.keystore.delete_pending(self.vault_id)
+            for name in keyring_entries(self.vault_id):
+                self.keystore.delete(name)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     # -- helpers --------------------------------------------------------
@@ -200,7 +203,9 @@ class VaultMachine(RuleBasedStateMachine):
                 self.vault.rotate()
         finally:
             testhooks.failpoint = real
-        committed = step not in ("after-pending", "in-transaction") or not reached
+        committed = (
+            step not in ("after-record-pending", "after-pending", "in-transaction") or not reached
+        )
         assert (self.vault.meta()["kid"] != old_kid) == committed
         self._reopen()
 
@@ -213,8 +218,12 @@ class VaultMachine(RuleBasedStateMachine):
         self.vault = Vault.open(self.db)
         sealer = self.vault.sealer()  # finishes or undoes an interrupted rotation
         assert sealer.kid == self.vault.meta()["kid"]
-        assert self.keystore.get(self.vault_id) == sealer.master_key
-        assert self.keystore.get_pending(self.vault_id) is None
+        # The settled state of docs/keys.md: exactly the file's key version in the
+        # keyring, and no pending or retired version left in the journal.
+        name = entry_name(self.vault_id, sealer.kid)
+        assert keyring_entries(self.vault_id) == {name: sealer.master_key}
+        states = [v.state for v in self.vault.key_versions() if v.kid != sealer.kid]
+        assert set(states) <= {"destroyed"}, states
         assert self.vault.meta().get("scrub_pending") != "1"
 
     # -- invariants -----------------------------------------------------

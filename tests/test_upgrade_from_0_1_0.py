@@ -3,23 +3,35 @@
 The fixtures in tests/fixtures/v0_1_0 were written once by the 0.1.0 code (see its
 README.md): a settled vault, and one whose rotation was killed after its commit.
 Each test puts that vault's keyring entries into the private keyring, copies the
-file, and reads every item back through the CLI.
+file, and reads every item back through the CLI. The first open that has the key
+moves the vault to one entry per key version (docs/keys.md): those tests kill
+it at each step of the move and check that the vault still opens, and that
+afterwards exactly the new entry exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import keyring_entries, run_cli
+from vault import crypto
+from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v0_1_0"
+
+
+def vault_id_of(entries: dict[str, str]) -> str:
+    return min(entries, key=len)  # `<vault_id>`, beside `<vault_id>.next`
 
 
 @pytest.fixture
@@ -40,9 +52,8 @@ def old_vault(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[
     try:
         yield copy, expected
     finally:
-        for username in entries:
-            ks.delete(username)
-            ks.delete_pending(username)
+        for name in keyring_entries(vault_id_of(entries)):
+            ks.delete(name)
 
 
 LAYOUTS = ["", "mid_rotation"]
@@ -74,3 +85,82 @@ def test_a_0_1_0_vault_reads_every_item(old_vault: tuple[Path, Any]) -> None:
         assert len(lines) == len(items), r
         for i, line in enumerate(lines, 1):
             assert line.startswith(f"[{i}] "), r
+
+
+def meta_of(db: Path) -> dict[str, str]:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+
+
+def assert_moved(db: Path, vault_id: str, key: str) -> None:
+    """The 0.1.0 names are gone; the file's key is under its own version's name."""
+    meta = meta_of(db)
+    assert meta["format"] == "memvault/2" and "legacy_entries" not in meta, meta
+    assert crypto.key_id(key) == meta["kid"]
+    assert keyring_entries(vault_id) == {entry_name(vault_id, meta["kid"]): key}
+
+
+@pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
+def test_the_first_open_moves_the_key_to_its_version_entry(
+    old_vault: tuple[Path, Any], request: pytest.FixtureRequest
+) -> None:
+    db, expected = old_vault
+    folder = FIXTURES / request.node.callspec.params["old_vault"]
+    entries = json.loads((folder / "keyring.json").read_text())
+    vault_id = vault_id_of(entries)
+    key = next(k for k in entries.values() if crypto.key_id(k) == meta_of(db)["kid"])
+    assert meta_of(db)["format"] == "memvault/1"
+
+    r = run_cli("--db", str(db), "--json", "key", "list")
+    assert r.code == 0, r
+    assert_moved(db, vault_id, key)
+    listed = {k["kid"]: k for k in r.json()["keys"]}
+    assert listed[meta_of(db)["kid"]]["state"] == "current"
+    assert listed[meta_of(db)["kid"]]["in_keyring"] is True
+    others = [k for kid, k in listed.items() if kid != meta_of(db)["kid"]]
+    assert all(k["state"] == "destroyed" and not k["in_keyring"] for k in others), listed
+    # The whole history still reads after the move.
+    for session_id, items in expected.items():
+        r = run_cli("--db", str(db), "--json", "show", session_id)
+        assert r.code == 0 and r.json()["items"] == items, r
+
+
+MOVE_STEPS = ["upgrade-after-store", "upgrade-after-commit", "tidy-after-delete"]
+
+
+@pytest.mark.parametrize("point", MOVE_STEPS)
+@pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
+def test_a_move_killed_at_any_step_leaves_a_vault_that_opens(
+    old_vault: tuple[Path, Any], request: pytest.FixtureRequest, point: str
+) -> None:
+    db, expected = old_vault
+    folder = FIXTURES / request.node.callspec.params["old_vault"]
+    entries = json.loads((folder / "keyring.json").read_text())
+    vault_id = vault_id_of(entries)
+    key = next(k for k in entries.values() if crypto.key_id(k) == meta_of(db)["kid"])
+
+    r = run_cli("--db", str(db), "status", env={"MEMVAULT_FAILPOINT": point})
+    assert r.code == -signal.SIGKILL, r
+
+    total = sum(len(items) for items in expected.values())
+    r = run_cli("--db", str(db), "--json", "status")
+    assert r.code == 0, r
+    st = r.json()
+    assert (st["key"], st["items"], st["readable"]) == ("present and matching", total, total), st
+    assert_moved(db, vault_id, key)
+
+
+@pytest.mark.parametrize("old_vault", [""], indirect=True, ids=["settled"])
+def test_a_dead_rotations_pending_key_goes_with_the_move(
+    old_vault: tuple[Path, Any], request: pytest.FixtureRequest
+) -> None:
+    """0.1.0 left `.next` behind when a rotation died before its commit: no row uses it."""
+    db, _ = old_vault
+    entries = json.loads((FIXTURES / "keyring.json").read_text())
+    vault_id = vault_id_of(entries)
+    KeyStore().set(vault_id + ".next", crypto.generate_key())
+    assert len(keyring_entries(vault_id)) == 2
+
+    r = run_cli("--db", str(db), "--json", "status")
+    assert r.code == 0 and r.json()["key"] == "present and matching", r
+    assert_moved(db, vault_id, entries[vault_id])

@@ -112,14 +112,16 @@ def revoke(yes: bool) -> None:
 
     def human() -> None:
         if r["already_revoked"]:
-            finished = "; removed the key a cut-off revoke had left" if r["key_destroyed"] else ""
+            finished = ""
+            if r["key_destroyed"]:
+                finished = f"; destroyed {_kids(r)} that a cut-off revoke had left"
             click.echo(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
                 "`memvault shred` removes the file"
             )
             return
         click.echo(
-            f"revoked key {r['kid']} of vault {r['vault_id']}; the file stays, unreadable; "
+            f"revoked vault {r['vault_id']}: destroyed {_kids(r)}; the file stays, unreadable; "
             "`memvault shred` removes it; recovery kits are useless now"
         )
 
@@ -193,9 +195,21 @@ def _shred_summary(r: dict[str, Any]) -> str:
         counts = "damaged file, contents not counted"
     else:
         counts = f"{r['items']} item(s) in {r['sessions']} session(s)"
-    key = "destroyed" if r.get("key_destroyed") else "already gone"
+    key = f"destroyed: {_kids(r)}" if r.get("key_destroyed") else "already gone"
     if r.get("key_problem"):
         key = f"not destroyed: {r['key_problem']}"
-    return f"shredded {r['path']}: {counts}; key {key}; files " + ", ".join(
+    return f"shredded {r['path']}: {counts}; keys {key}; files " + ", ".join(
         one(f) for f in r["files"]
     )
+
+
+def _kids(r: dict[str, Any]) -> str:
+    """The key versions a revoke or shred destroyed, naming those of other copies."""
+    kids = r.get("destroyed_kids") or []
+    if not kids:
+        return "no key (none was left)"
+    text = ("key " if len(kids) == 1 else "keys ") + ", ".join(kids)
+    others = r.get("other_copies_kids") or []
+    if others:
+        text += f" ({', '.join(others)} still opened another copy of this vault)"
+    return text

@@ -293,12 +293,13 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
 
     The kit must come from this vault and its current key: a kit from another
     vault, or from before a rotation, is refused naming both ids. A keyring key
-    that already opens the vault is left alone; one that does not is moved
-    aside (kept as memvault/<vault_id>.replaced.<kid>, since it may open another
-    copy of the vault) after a question (or --yes). The passphrase is asked on a
-    terminal; scripts give --passphrase-file or --passphrase-stdin (then stdin
-    holds only the passphrase: add --yes for the question). The key and the
-    passphrase are never printed.
+    is stored as its own entry (memvault/<vault_id>/<kid>): no other entry is
+    touched, so a live vault and a restored backup copy of it both keep working.
+    An entry of that key that holds something else (damaged) is replaced after a
+    question (or --yes). The passphrase is asked on a terminal; scripts give
+    --passphrase-file or --passphrase-stdin (then stdin holds only the
+    passphrase: add --yes for the question). The key and the passphrase are
+    never printed.
 
     \b
     Exit codes:
@@ -321,9 +322,8 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
 
     def ask_replace(old_kid: str) -> None:
         confirm(
-            f"The keyring holds key {old_kid} for this vault id, which does not open "
-            f"{vault.path}; it may be the key of another copy of the vault (a newer one, rotated "
-            "since). Keep it aside and put the kit's key in its place?",
+            f"The keyring entry for this key of {vault.path} holds something else "
+            f"({old_kid}); replace it with the kit's key?",
             yes,
         )
 
@@ -332,8 +332,6 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
     def human() -> None:
         if r["restored"]:
             extra = f" (replaced key {r['replaced_kid']})" if r["replaced_kid"] else ""
-            if r.get("kept_aside_as"):
-                extra += f"; the replaced key is kept as memvault/{r['kept_aside_as']}"
             click.echo(
                 f"restored key {r['kid']} of vault {r['vault_id']} into {r['keyring']}{extra}; "
                 "the vault opens again"
@@ -345,3 +343,37 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
             )
 
     emit(r, human)
+
+
+@key_group.command("list")
+@common
+def key_list() -> None:
+    """List the key versions this vault's file knows. Never shows a key.
+
+    State is current (the rows use it), pending (a rotation staged it),
+    retired (a rotation replaced it; its entry is deleted next) or destroyed.
+    "in keyring" says whether its entry memvault/<vault_id>/<kid> exists: a
+    destroyed version still present there is another copy's (a backup restored
+    with an older kit); `memvault shred` destroys those too.
+
+    \b
+    Example:
+      memvault key list
+    """
+    vault = open_vault()
+    versions = vault.key_versions()
+    doc = {
+        "vault_id": vault.vault_id,
+        "keys": [
+            {"kid": v.kid, "state": v.state, "in_keyring": v.in_keyring, "created_at": v.created_at}
+            for v in versions
+        ],
+    }
+
+    def human() -> None:
+        click.echo(f"{'key id':<22}  {'state':<9}  {'in keyring':<10}  created")
+        for v in versions:
+            present = "yes" if v.in_keyring else "no"
+            click.echo(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")
+
+    emit(doc, human)

@@ -61,6 +61,16 @@ def is_valid_key(master_key: str | None) -> bool:
     return True
 
 
+def looks_like_kid(value: object) -> bool:
+    """A key id as `key_id` writes it (the file's `kid` is "revoked" after a revoke)."""
+    return (
+        isinstance(value, str)
+        and value.startswith(KID_PREFIX)
+        and len(value) == len(KID_PREFIX) + 16
+        and all(c in "0123456789abcdef" for c in value[len(KID_PREFIX) :])
+    )
+
+
 def key_id(master_key: str) -> str:
     """A short public fingerprint of the key, derived one-way (HMAC-SHA256)."""
     digest = hmac.new(master_key_bytes(master_key), _KID_LABEL, hashlib.sha256).hexdigest()

@@ -1,4 +1,7 @@
-"""The master key in the OS keyring (service `memvault`, username = vault id).
+"""The master keys in the OS keyring: service `memvault`, one entry per key version.
+
+The entries' names (`<vault_id>/<kid>`) and which ones exist are the business
+of `vault.keyjournal`; this module reads, stores and deletes one named entry.
 
 Only this module talks to `keyring`. Every keyring failure becomes a
 `KeyProblem` (exit 4) whose message names the backend and the fix; a missing
@@ -18,12 +21,16 @@ from collections.abc import Callable
 from typing import Any
 
 from . import crypto
-from .errors import BadInput, KeyMissing, KeyProblem, KeyringLocked, KeyringUnavailable
+from .errors import (
+    BadInput,
+    KeyMismatch,
+    KeyMissing,
+    KeyProblem,
+    KeyringLocked,
+    KeyringUnavailable,
+)
 
 SERVICE = "memvault"
-PENDING_SUFFIX = ".next"
-# `<vault_id>.replaced.<kid>`: a key moved aside by `key import`, never deleted by it.
-ASIDE_INFIX = ".replaced."
 
 ENV_BACKEND = "PYTHON_KEYRING_BACKEND"  # keyring's own variable
 ENV_TIMEOUT = "MEMVAULT_KEYRING_TIMEOUT"
@@ -311,19 +318,16 @@ class KeyStore:
                 f"{_safe(exc)}; check that the keyring service is running and unlocked"
             ) from exc
 
-    # Reads ---------------------------------------------------------------
-    def get(self, vault_id: str) -> str | None:
-        value = self._read("read the vault key", vault_id)
-        return value if isinstance(value, str) else None
-
-    def get_pending(self, vault_id: str) -> str | None:
-        value = self._read("read the pending key", vault_id + PENDING_SUFFIX)
+    # One named entry -----------------------------------------------------
+    def get(self, name: str) -> str | None:
+        """The entry's secret, or None when there is none."""
+        value = self._read("read a key", name)
         return value if isinstance(value, str) else None
 
     def _read(self, what: str, name: str) -> Any:
         # Secret Service reads are a search, then a fetch of the item found: another
-        # process deleting the entry in between (a rotation dropping its `.next`) makes
-        # the fetch fail. That is a miss, not a broken keyring: search again.
+        # process deleting the entry in between (a rotation dropping a retired key)
+        # makes the fetch fail. That is a miss, not a broken keyring: search again.
         for attempt in range(5):
             try:
                 return self._call(what, self._backend.get_password, SERVICE, name)
@@ -332,38 +336,17 @@ class KeyStore:
                     raise
         return None
 
-    # Writes --------------------------------------------------------------
-    def set(self, vault_id: str, key: str) -> None:
-        self._call("store the vault key", self._backend.set_password, SERVICE, vault_id, key)
-        self._verify(vault_id, key)
-
-    def set_pending(self, vault_id: str, key: str) -> None:
-        name = vault_id + PENDING_SUFFIX
-        self._call("store the pending key", self._backend.set_password, SERVICE, name, key)
-        self._verify(name, key)
-
-    def set_aside(self, vault_id: str, kid: str, key: str) -> None:
-        """Keep a key that is being replaced, under a name that says which it was."""
-        name = f"{vault_id}{ASIDE_INFIX}{kid}"
-        self._call("keep the replaced key", self._backend.set_password, SERVICE, name, key)
-        self._verify(name, key)
-
-    def _verify(self, name: str, key: str) -> None:
-        # A backend that accepts a write but cannot give it back would lose the history.
-        back = self._read("read back the key", name)
-        if back != key:
+    def set(self, name: str, key: str) -> None:
+        """Store a key, and read it back: a backend that accepts a write but cannot
+        give it back would lose the history."""
+        self._call("store a key", self._backend.set_password, SERVICE, name, key)
+        if self._read("read back the key", name) != key:
             raise KeyProblem(
                 f"the keyring ({self.name}) did not return the key it was just given; "
                 "use a keyring that persists entries"
             )
 
-    def delete(self, vault_id: str) -> bool:
-        return self._delete(vault_id)
-
-    def delete_pending(self, vault_id: str) -> bool:
-        return self._delete(vault_id + PENDING_SUFFIX)
-
-    def _delete(self, name: str) -> bool:
+    def delete(self, name: str) -> bool:
         """Delete an entry; True if one was there. Missing is not an error."""
         import keyring.errors as kerr
 
@@ -391,17 +374,23 @@ def _safe(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200] or "no details"
 
 
-def require_key(value: str | None, vault_id: str, backend: str) -> str:
-    """Reject an absent, empty or malformed entry instead of inventing a key."""
+def require_key(value: str | None, vault_id: str, kid: str, backend: str) -> str:
+    """Reject an absent, empty or malformed entry, or another key, instead of inventing one."""
     if value is None:
         raise KeyMissing(
-            f"the keyring ({backend}) has no key for vault {vault_id}; if you moved to a new "
-            "machine run `memvault key import KIT` with your recovery kit, otherwise the "
-            "history cannot be read"
+            f"the keyring ({backend}) has no key {kid} for vault {vault_id}; if you moved to "
+            "a new machine, or this is a copy from before a rotation, run `memvault key "
+            "import KIT` with the recovery kit of that key, otherwise the history cannot be read"
         )
     if not crypto.is_valid_key(value):
         raise KeyMissing(
-            f"the keyring entry memvault/{vault_id} ({backend}) is empty or is not a memvault "
-            "key; restore it with `memvault key import KIT`"
+            f"the keyring entry for key {kid} of vault {vault_id} ({backend}) is empty or is "
+            "not a memvault key; restore it with `memvault key import KIT`"
+        )
+    if crypto.key_id(value) != kid:
+        raise KeyMismatch(
+            f"the keyring entry for key {kid} of vault {vault_id} ({backend}) holds another "
+            f"key ({crypto.key_id(value)}); nothing was read or written; restore the right "
+            "one with `memvault key import KIT`"
         )
     return value

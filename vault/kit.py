@@ -45,12 +45,11 @@ from . import crypto, files
 from .errors import (
     BadInput,
     KeyMismatch,
-    KeyMissing,
     KeyProblem,
     KeyRevoked,
     OperationFailed,
 )
-from .keys import ASIDE_INFIX
+from .keyjournal import entry_name
 from .schema import utcnow
 from .store import Vault
 
@@ -333,12 +332,14 @@ def import_kit(
     passphrase: str | Callable[[], str],
     confirm_replace: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Put the kit's key in the keyring, after checking it against the vault's key id.
+    """Put the kit's key in the keyring as its own version entry, after checking it
+    against the vault's key id.
 
-    Leaves a keyring key that already works alone (same key: nothing to do); replaces
-    one only when it is missing, empty, malformed or does not match the vault, after
-    `confirm_replace(old_kid)` when one is there. `passphrase` may be a callable, asked
-    only once the kit is known to fit the vault.
+    Touches no other entry: a live vault and a restored backup copy of it (at an
+    older key) each keep theirs. An entry of that version that already holds the
+    key is left alone; one that holds something else (damaged) is replaced after
+    `confirm_replace(what_it_held)`. `passphrase` may be a callable, asked only once
+    the kit is known to fit the vault.
     """
     p = Path(path)
     kit = load(p)
@@ -350,44 +351,32 @@ def import_kit(
         raise KeyMismatch(f"the kit's key does not match vault {meta['vault_id']}")
     vault_id = meta["vault_id"]
     ks = vault.keystore
+    ks.check_usable()
+    name = entry_name(vault_id, kit.kid)
+    before = ks.get(name)
     replaced: str | None = None
-    # Keyring unavailable or locked, or the vault revoked meanwhile: those propagate.
-    try:
-        working = vault.sealer(refresh=True)
-    except KeyMissing:
+    if before == key:
+        state = "present"
+    elif before is None:
         state = "missing"
-    except KeyMismatch:
+    else:
         state = "mismatched"
-        current = ks.get(vault_id) or ""
-        replaced = crypto.key_id(current) if crypto.is_valid_key(current) else "unknown"
+        replaced = crypto.key_id(before) if crypto.is_valid_key(before) else "unknown"
         if confirm_replace is not None:
             confirm_replace(replaced)  # raises to refuse
-    else:
-        if working.master_key != key:  # cannot happen unless two keys share a kid
-            raise KeyProblem(
-                f"the keyring already holds a different working key for vault {vault_id}; "
-                "it was left alone"
-            )
-        state = "present"
     if state != "present":
-        if replaced and replaced != "unknown":
-            # A valid key that does not open this file may be the key of another copy of
-            # the vault (a newer one, rotated since): keep it aside instead of losing it.
-            ks.set_aside(vault_id, replaced, ks.get(vault_id) or "")
-        ks.set(vault_id, key)  # verified by reading it back
-        fresh = vault.sealer(refresh=True)
-        if fresh.kid != meta["kid"]:
-            raise KeyProblem(f"the keyring did not keep the restored key for vault {vault_id}")
+        ks.set(name, key)  # verified by reading it back
+    fresh = vault.sealer(refresh=True)  # a 0.1.0 file moves to the new layout here
+    if fresh.kid != meta["kid"]:
+        raise KeyProblem(f"the keyring did not keep the restored key for vault {vault_id}")
     extra = {"replaced_kid": replaced} if replaced else {}
     vault.record("key-import", kit.kid, keyring_before=state, **extra)
-    kept = f"{vault_id}{ASIDE_INFIX}{replaced}" if replaced and replaced != "unknown" else None
     return {
         "path": str(p),
         "vault_id": vault_id,
         "kid": kit.kid,
         "keyring_before": state,
         "replaced_kid": replaced,
-        "kept_aside_as": kept,
         "restored": state != "present",
         "keyring": ks.name,
     }

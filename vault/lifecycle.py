@@ -1,32 +1,58 @@
 """The key lifecycle: which key opens the file, rotation, revocation, key destruction.
 
-A vault's key lives in the OS keyring under its vault id; a rotation stores the
-new key as the pending entry (`.next`) while it holds the write lock, rewrites
-every envelope in one transaction, then promotes the pending key. Every open
-(`sealer`) finishes a rotation cut off after its commit and drops the pending
-key of one that died before it. Revocation marks the file, then destroys the
-keys; shred uses `destroy_keys`, which destroys only this file's keys.
+It reads like the state table in docs/keys.md. The file is the journal: every
+key version is recorded in `memvault_keys` (vault.keyjournal) before its
+keyring entry `<vault_id>/<kid>` is stored, so every state a crash can leave is
+finished from the file and keyring look-ups alone, by `tidy` on the next open.
 
-The transactions here open and commit by hand, not with `write_transaction`:
-where each commit falls, relative to the keyring writes and the failpoints, is
-the crash protocol that the crash tests check.
+* open (`sealer`): the entry of the file's `kid`; then `tidy` if the journal
+  holds a pending or retired version or 0.1.0 entry names to delete.
+* rotate: record N pending -> under the write lock, store N's entry, re-encrypt
+  every row, `kid` = N, old -> retired, N -> current, commit -> delete the old
+  entry -> old -> destroyed.
+* revoke: mark the file -> delete every recorded version's entry -> all destroyed.
+
+The transactions of a rotation open and commit by hand, not with
+`write_transaction`: where each commit falls, relative to the keyring writes
+and the failpoints, is the crash protocol that the crash tests check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import crypto, testhooks
+from . import crypto, keyjournal, legacy, testhooks
 from .db import VaultFile, audit, read_meta, set_meta
-from .errors import Interrupted, KeyMismatch, KeyRevoked, VaultBusy
+from .errors import Interrupted, KeyProblem, KeyRevoked, VaultBusy
 from .files import Progress
+from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, entry_name
 from .keys import KeyStore, require_key
 from .results import Report
-from .schema import MESSAGES_TABLE, utcnow
+from .schema import LEGACY_FORMAT, MESSAGES_TABLE, utcnow
+
+
+@dataclass(frozen=True)
+class KeyVersionInfo:
+    """One line of `memvault key list`: never the key itself."""
+
+    kid: str
+    state: str
+    in_keyring: bool
+    created_at: str | None
+
+
+def refuse_revoked(meta: dict[str, str]) -> None:
+    if "revoked_at" in meta:
+        raise KeyRevoked(
+            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; its "
+            "history can never be read again; `memvault shred` removes the file"
+        )
 
 
 class KeyLifecycle(VaultFile):
@@ -44,93 +70,100 @@ class KeyLifecycle(VaultFile):
             self._keystore = KeyStore()
         return self._keystore
 
-    def sealer(self, refresh: bool = False) -> crypto.Sealer:
-        """The current key's sealer, after checking it against the file's kid.
+    def journal(self) -> tuple[dict[str, str], list[keyjournal.KeyVersion]]:
+        """The meta and the key versions, from one snapshot."""
+        with self.connection() as conn:
+            conn.execute("BEGIN")  # deferred: the first SELECT fixes the snapshot
+            meta = read_meta(conn, self.path)
+            return meta, keyjournal.versions(conn)
 
-        Finishes an interrupted rotation (the file already uses the pending key) and
-        drops a pending key left by a rotation that died before its commit.
+    def sealer(self, refresh: bool = False) -> crypto.Sealer:
+        """The sealer of the file's key: the entry `<vault_id>/<kid>`, nothing else.
+
+        A 0.1.0 file moves its key to that entry first (vault.legacy). Then whatever
+        a crash left (the journal's pending or retired versions) is tidied away.
         """
         if self._sealer is not None and not refresh:
             return self._sealer
         ks = self.keystore
         ks.check_usable()
-        for attempt in range(5):
-            meta = self.meta()
-            vault_id, file_kid = meta["vault_id"], meta["kid"]
-            if "revoked_at" in meta:
-                raise KeyRevoked(
-                    f"the key of vault {vault_id} was revoked on {meta['revoked_at']}; its "
-                    "history can never be read again; `memvault shred` removes the file"
-                )
-            current = ks.get(vault_id)
-            pending = ks.get_pending(vault_id)
-            if crypto.is_valid_key(pending) and crypto.key_id(pending or "") == file_kid:
-                assert pending is not None
-                # The rotation committed but died before promoting its key: promote it.
-                candidate = crypto.Sealer(pending)
-                try:
-                    promoted = self._promote(vault_id, candidate, wait=False)
-                except VaultBusy:
-                    # A writer holds the lock (likely the rotation, promoting it itself):
-                    # the pending key is the file's key; a later open promotes it.
-                    promoted = True
-                if promoted:
-                    self._sealer = candidate
-                    return self._sealer
-                continue  # revoked or rotated again meanwhile: read the file afresh
-            if crypto.is_valid_key(current) and crypto.key_id(current or "") == file_kid:
-                assert current is not None
-                if pending is not None:
-                    self._drop_stale_pending(vault_id, file_kid)
-                self._sealer = crypto.Sealer(current)
-                return self._sealer
-            if current is None and pending is None:
-                break
-            # A rotation may have committed between reading the file and the keyring.
-            time.sleep(0.05 * (attempt + 1))
-        key = require_key(current, vault_id, ks.name)
-        raise KeyMismatch(
-            f"the keyring's key for vault {vault_id} has id {crypto.key_id(key)} but the vault "
-            f"was written with {file_kid}; nothing was read or written; restore the matching "
-            "key with `memvault key import KIT`"
-        )
+        for _attempt in range(5):
+            meta, versions = self.journal()
+            refuse_revoked(meta)
+            vault_id, kid = meta["vault_id"], meta["kid"]
+            if meta["format"] == LEGACY_FORMAT:
+                key = legacy.upgrade(self, meta)
+            else:
+                key = ks.get(entry_name(vault_id, kid))
+                if key is None and self.meta()["kid"] != kid:
+                    key = None  # a rotation committed and dropped that entry meanwhile
+                else:
+                    key = require_key(key, vault_id, kid, ks.name)
+            if key is None:
+                continue  # the file moved on while we looked: read it afresh
+            self._sealer = crypto.Sealer(key)
+            if (
+                meta["format"] == LEGACY_FORMAT
+                or keyjournal.LEGACY_MARK in meta
+                or any(v.state in (PENDING, RETIRED) for v in versions)
+            ):
+                self.tidy()
+            return self._sealer
+        raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
 
-    def _promote(self, vault_id: str, sealer: crypto.Sealer, wait: bool = True) -> bool:
-        """Store a committed rotation's key as the vault's key and drop `.next`.
+    def tidy(self) -> None:
+        """Finish what a crash left: the table's "next open" column.
 
-        Under the write lock, and only if the file still uses that key: a revoke, or a
-        rotation started meanwhile (which stores its own `.next`), cannot interleave, so
-        a promotion never brings a revoked key back nor deletes another rotation's
-        pending key. Returns False, keeping no key, when the file moved on. With
-        `wait=False`, raises VaultBusy at once when another connection holds the lock.
+        Under the write lock, taken without waiting: a rotation stores a pending
+        version's entry only while it holds that lock, so holding it proves no
+        rotation is in flight, and a pending version is then a dead one. Retired
+        versions are keys no row uses any more. Both entries go, and the journal
+        says so. Busy, or the keyring refusing a delete: a later open tries again.
         """
         ks = self.keystore
-        with self.connection(timeout=None if wait else 0) as conn:
+        with contextlib.suppress(VaultBusy, KeyProblem), self.connection(timeout=0) as conn:
             conn.execute("BEGIN IMMEDIATE")
             meta = read_meta(conn, self.path)
-            if meta["kid"] != sealer.kid:
-                if "revoked_at" in meta:
-                    ks.delete_pending(vault_id)
-                return False
-            ks.set(vault_id, sealer.master_key)
-            ks.delete_pending(vault_id)
-            conn.execute("ROLLBACK")
-        return True
+            if "revoked_at" in meta:
+                return
+            for v in keyjournal.versions(conn):
+                if v.state in (PENDING, RETIRED) and v.kid != meta["kid"]:
+                    ks.delete(entry_name(meta["vault_id"], v.kid))
+                    testhooks.failpoint("tidy-after-delete")
+                    keyjournal.record(conn, v.kid, DESTROYED)
+            if keyjournal.LEGACY_MARK in meta:
+                for name in json.loads(meta[keyjournal.LEGACY_MARK]):
+                    ks.delete(name)
+                    testhooks.failpoint("tidy-after-delete")
+                conn.execute("DELETE FROM memvault_meta WHERE key = ?", (keyjournal.LEGACY_MARK,))
+            conn.execute("COMMIT")
 
-    def _drop_stale_pending(self, vault_id: str, file_kid: str) -> None:
-        """Remove a `.next` key whose rotation died before committing.
+    def key_versions(self) -> list[KeyVersionInfo]:
+        """Every key version this file knows, with its state and whether its entry exists.
 
-        Only under the write lock: a live rotation holds it from before it stores
-        `.next` until its commit, so holding it proves no rotation is in flight.
+        Loads the key first when it is there, which finishes a move from 0.1.0 or
+        what a crash left, so the list shows the settled state.
         """
-        try:
-            with self.connection(timeout=0) as conn:
-                conn.execute("BEGIN IMMEDIATE")
-                if read_meta(conn, self.path)["kid"] == file_kid:
-                    self.keystore.delete_pending(vault_id)
-                conn.execute("ROLLBACK")
-        except VaultBusy:
-            pass  # a writer is busy; a later open will tidy up
+        with contextlib.suppress(KeyProblem):
+            self.sealer(refresh=True)
+        with self.connection() as conn:
+            conn.execute("BEGIN")
+            meta = read_meta(conn, self.path)
+            recorded = {v.kid: v for v in keyjournal.versions(conn)}
+            kids = keyjournal.known_kids(conn, meta)
+        ks = self.keystore
+        ks.check_usable()
+        here = keyjournal.present(ks, meta["vault_id"], kids)
+        order = list(recorded) + sorted(kids - set(recorded))
+        out = []
+        for kid in order:
+            v = recorded.get(kid)
+            if v is not None:
+                state, created = v.state, v.created_at or None
+            else:  # a 0.1.0 file not moved yet: its audit trail names its keys
+                state, created = (CURRENT if kid == meta["kid"] else DESTROYED), None
+            out.append(KeyVersionInfo(kid, state, kid in here, created))
+        return out
 
     def check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> crypto.Sealer:
         """Inside a write transaction: the file still uses the key we hold.
@@ -159,41 +192,78 @@ class KeyLifecycle(VaultFile):
                 ) from None
             raise Interrupted(
                 "interrupted after the rotation committed: every item is under the new key; "
-                "the next memvault command finishes the key swap and the scrub of old bytes"
+                "the next memvault command deletes the old key and scrubs the old bytes"
             ) from None
 
     def _rotate(self, progress: Progress | None, scrub: bool) -> Report:
         """New key; every envelope re-encrypted in one transaction; old bytes scrubbed.
 
-        Two-phase key swap: the new key is stored as `<vault_id>.next` while this
-        process holds the write lock and before any row changes; it is promoted
-        after the commit. `sealer()` finishes either half after a crash.
+        The new version is recorded as pending (committed) before its entry is
+        stored; the entry is stored under the write lock that the re-encryption
+        then commits under. Another process's `tidy` may drop a pending version
+        between the two (it cannot tell ours from a dead one): we record again.
         """
         started = time.monotonic()
-        old = self.sealer(refresh=True)
-        ks = self.keystore
         new = crypto.Sealer(crypto.generate_key())
+        for _attempt in range(5):
+            old = self.sealer(refresh=True)
+            with self.write_transaction() as conn:
+                refuse_revoked(read_meta(conn, self.path))
+                keyjournal.record(conn, new.kid, PENDING)
+            testhooks.failpoint("after-record-pending")
+            counts = self._reencrypt(old, new, progress)
+            if counts is not None:
+                break
+        else:
+            raise VaultBusy(f"{self.path} kept changing key during the rotation; try again")
+        vault_id = self.vault_id
+        testhooks.failpoint("after-commit")
+        self.keystore.delete(entry_name(vault_id, old.kid))
+        testhooks.failpoint("after-retired-deleted")
+        with self.write_transaction() as conn:
+            if any(v.kid == old.kid and v.state == RETIRED for v in keyjournal.versions(conn)):
+                keyjournal.record(conn, old.kid, DESTROYED)
+        self._sealer = new
+        scrubbed = self.scrub() if scrub else False
+        return Report(
+            {
+                **counts,
+                "old_kid": old.kid,
+                "new_kid": new.kid,
+                "seconds": round(time.monotonic() - started, 3),
+                "scrubbed": scrubbed,
+            },
+            scrubbed,
+        )
+
+    def _reencrypt(
+        self, old: crypto.Sealer, new: crypto.Sealer, progress: Progress | None
+    ) -> dict[str, int] | None:
+        """Store the new entry and re-encrypt every row under the write lock, in one
+        transaction. None, changing nothing, when the file moved on since `old` was
+        loaded or our pending record was tidied away."""
+        ks = self.keystore
         ttl = self.ttl
         cutoff = None if ttl is None else int(time.time()) - ttl
         items = expired = unreadable = 0
         sessions: set[str] = set()
+        stored = committed = False
         with self.connection() as conn:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute("BEGIN IMMEDIATE")
-            old = self.check_kid(conn, old)
-            vault_id = read_meta(conn, self.path)["vault_id"]
-            # Under the write lock no rotation is in flight, so `.next` is either the
-            # file's key from a promotion that was deferred (busy lock) or a dead
-            # rotation's leftover. Make the file's key the current entry before `.next`
-            # is reused: otherwise overwriting `.next` could destroy its only copy.
-            if ks.get(vault_id) != old.master_key:
-                ks.set(vault_id, old.master_key)
-            ks.delete_pending(vault_id)
-            ks.set_pending(vault_id, new.master_key)
-            attempted = False
+            meta = read_meta(conn, self.path)
+            refuse_revoked(meta)
+            states = {v.kid: v.state for v in keyjournal.versions(conn)}
+            if meta["kid"] != old.kid or states.get(new.kid) != PENDING:
+                return None
+            vault_id = meta["vault_id"]
             try:
+                ks.set(entry_name(vault_id, new.kid), new.master_key)
+                stored = True
                 testhooks.failpoint("after-pending")
                 set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
+                keyjournal.record(conn, old.kid, RETIRED)
+                keyjournal.record(conn, new.kid, CURRENT)
                 last = -1
                 while True:
                     batch = conn.execute(
@@ -232,126 +302,58 @@ class KeyLifecycle(VaultFile):
                     unreadable=unreadable,
                     sessions=len(sessions),
                 )
-                attempted = True
+                committed = True  # from here the outcome of a failure is unknown
                 conn.execute("COMMIT")
                 self._rotation_committed = True
             finally:
-                if not attempted:
+                if stored and not committed:
                     # Still holding the lock and nothing committed: no row uses the new
-                    # key, so drop it. (After a failed COMMIT the outcome is unknown, and
-                    # `.next` stays for the next open to judge against the file.)
+                    # key, so its entry goes (the journal's pending record is tidied by
+                    # the next open). After a failed COMMIT the entry stays for `tidy`
+                    # to judge against the file.
                     with contextlib.suppress(Exception):
                         conn.execute("ROLLBACK")
                     with contextlib.suppress(Exception):
-                        ks.delete_pending(vault_id)
-        testhooks.failpoint("after-commit")
-        try:
-            promoted = self._promote(vault_id, new)
-        except VaultBusy:
-            # Committed, and `.next` holds the key: the next open (or rotation) promotes it.
-            promoted = True
-        testhooks.failpoint("after-promotion")
-        self._sealer = new if promoted else None
-        if not promoted:
-            self.sealer(refresh=True)  # revoked meanwhile: KeyRevoked; else the newer key
-        scrubbed = self.scrub() if scrub else False
-        return Report(
-            {
-                "sessions": len(sessions),
-                "items": items,
-                "expired": expired,
-                "unreadable": unreadable,
-                "old_kid": old.kid,
-                "new_kid": new.kid,
-                "seconds": round(time.monotonic() - started, 3),
-                "scrubbed": scrubbed,
-            },
-            scrubbed,
-        )
+                        ks.delete(entry_name(vault_id, new.kid))
+        return {
+            "sessions": len(sessions),
+            "items": items,
+            "expired": expired,
+            "unreadable": unreadable,
+        }
 
     def revoke(self) -> dict[str, Any]:
-        """Destroy the key (current and pending). The file stays, unreadable for ever.
+        """Destroy every key version the file records. The file stays, unreadable for ever.
 
-        The keyring is checked first, then the file is marked, so a revoke killed
-        half-way is finished by the next one, and writers still holding the key in
-        memory are refused by the triggers. Only this file's key is destroyed: a
-        key under the same vault id that belongs to another copy is refused.
+        The file is marked first, so a revoke killed half-way is finished by the next
+        one, and writers still holding the key in memory are refused by the triggers.
+        Versions the file no longer used (retired by rotations) go too: a backup copy
+        restored with an older kit becomes unreadable as well, and is named.
         """
         ks = self.keystore
         ks.check_usable()
-        with self.connection() as conn:
-            conn.execute("BEGIN IMMEDIATE")
+        with self.write_transaction() as conn:
             meta = read_meta(conn, self.path)
             vault_id = meta["vault_id"]
             kid = meta.get("revoked_kid", meta["kid"])
-            current = ks.get(vault_id)
-            pending = ks.get_pending(vault_id)
-            kids = {crypto.key_id(k) for k in (current, pending) if k and crypto.is_valid_key(k)}
-            if kids and kid not in kids:
-                raise KeyMismatch(
-                    f"the keyring's key for vault {vault_id} ({', '.join(sorted(kids))}) does "
-                    f"not open this file ({kid}): it belongs to another copy of this vault, "
-                    "and revoking would destroy that copy's key; nothing was changed"
-                )
             already = "revoked_at" in meta
             if not already:
                 set_meta(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
                 audit(conn, "revoke", kid)
-            conn.execute("COMMIT")
-            testhooks.failpoint("revoke-after-mark")
-            # Still under the write lock: no rotation can store or promote a key meanwhile.
-            destroyed = False
-            if pending is not None:
-                destroyed = ks.delete_pending(vault_id)
-            testhooks.failpoint("revoke-after-pending")
-            destroyed = ks.delete(vault_id) or destroyed
+            kids = keyjournal.known_kids(conn, meta)
+            in_use = {kid} | {v.kid for v in keyjournal.versions(conn) if v.state == PENDING}
+        testhooks.failpoint("revoke-after-mark")
+        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+        with self.write_transaction() as conn:
+            known = {v.kid for v in keyjournal.versions(conn)}
+            for k in sorted(kids):
+                keyjournal.record(conn, k, DESTROYED, None if k in known else "")
         self._sealer = None
-        return {
-            "vault_id": vault_id,
-            "kid": kid,
-            "already_revoked": already,
-            "key_destroyed": destroyed,
-        }
+        return {"vault_id": vault_id, "kid": kid, "already_revoked": already, **outcome}
 
     def revocation_complete(self) -> bool:
         """False while a revoked vault's key is still in the keyring (revoke cut off)."""
-        meta = self.meta()
-        kid = meta.get("revoked_kid")
-        ks = self.keystore
-        vault_id = meta["vault_id"]
-        for key in (ks.get(vault_id), ks.get_pending(vault_id)):
-            if key and crypto.is_valid_key(key) and crypto.key_id(key) == kid:
-                return False
-        return True
-
-
-def destroy_keys(ks: KeyStore, vault_id: str, file_kids: set[str]) -> dict[str, Any]:
-    """Delete the keyring entries that belong to this file, and only those.
-
-    Every copy of a vault shares its vault id, so the entry under that id may hold
-    the key of another, newer copy (a backup being shredded while the live vault
-    rotated on). An entry is this file's when its key id is the file's; the current
-    entry is also this file's when `.next` is (a rotation of this file committed but
-    was never promoted: the current entry is the key it retired). Malformed entries
-    are deleted too. The caller holds the file's write lock, so no rotation is in
-    flight. Returns what was destroyed and the key id of any entry left in place.
-    """
-
-    def kid(key: str | None) -> str | None:
-        return crypto.key_id(key) if key and crypto.is_valid_key(key) else None
-
-    current, pending = ks.get(vault_id), ks.get_pending(vault_id)
-    cur_kid, pen_kid = kid(current), kid(pending)
-    cur_ours = current is not None and (cur_kid is None or cur_kid in file_kids)
-    pen_ours = pending is not None and (pen_kid is None or pen_kid in file_kids)
-    if pen_ours and current is not None:
-        cur_ours = True
-    if cur_ours and pending is not None:
-        pen_ours = True  # with the lock held, a `.next` beside this file's key is a dead rotation's
-    destroyed = False
-    if pen_ours:
-        destroyed = ks.delete_pending(vault_id) or destroyed
-    if cur_ours:
-        destroyed = ks.delete(vault_id) or destroyed
-    foreign = [k for k, ours in ((cur_kid, cur_ours), (pen_kid, pen_ours)) if k and not ours]
-    return {"key_destroyed": destroyed, "foreign_kid": foreign[0] if foreign else None}
+        with self.connection() as conn:
+            meta = read_meta(conn, self.path)
+            kids = keyjournal.known_kids(conn, meta)
+        return not keyjournal.present(self.keystore, meta["vault_id"], kids)

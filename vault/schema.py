@@ -2,7 +2,7 @@
 
 The file keeps the SDK's own `agent_sessions` / `agent_messages` tables
 unchanged (so `SQLiteSession` can still open it) and adds `memvault_meta`,
-`memvault_audit`, `memvault_migrations` and two guard triggers. Migrations are
+`memvault_audit`, `memvault_keys`, `memvault_migrations` and two guard triggers. Migrations are
 a list of functions, each applied once and recorded by name.
 """
 
@@ -12,7 +12,10 @@ import datetime as _dt
 import sqlite3
 from collections.abc import Callable
 
-FORMAT = "memvault/1"
+FORMAT = "memvault/2"
+# 0.1.0's files: the same tables, but the key in the keyring under the bare vault id.
+# Such a file moves to FORMAT on its first open that has the key (vault.legacy).
+LEGACY_FORMAT = "memvault/1"
 DEFAULT_TTL = 30 * 86400
 SESSIONS_TABLE = "agent_sessions"
 MESSAGES_TABLE = "agent_messages"
@@ -109,6 +112,20 @@ def m004_audit(conn: sqlite3.Connection) -> None:
                event TEXT NOT NULL,
                kid TEXT,
                details TEXT NOT NULL DEFAULT '{}'
+           )"""
+    )
+
+
+@migration
+def m005_key_versions(conn: sqlite3.Connection) -> None:
+    # The journal of every key version the file used or staged (vault.keyjournal).
+    conn.execute(
+        """CREATE TABLE IF NOT EXISTS memvault_keys (
+               kid TEXT PRIMARY KEY,
+               state TEXT NOT NULL
+                   CHECK (state IN ('pending', 'current', 'retired', 'destroyed')),
+               created_at TEXT NOT NULL,
+               changed_at TEXT NOT NULL
            )"""
     )
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import files, paths, testhooks
+from . import files, keyjournal, paths, testhooks
 from .db import (
     SCRUB_WAIT,
     check_header,
@@ -35,7 +35,6 @@ from .db import (
 from .errors import NotAVault, OperationFailed, VaultBusy, VaultCorrupt, VaultError
 from .files import Progress
 from .keys import KeyStore
-from .lifecycle import destroy_keys
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SHRED_MAGIC, SQLITE_MAGIC, utcnow
 
 
@@ -84,7 +83,14 @@ def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict
     report.setdefault("sessions", None)
     report.setdefault("items", None)
     if len(ids) != 1:
-        report.update(vault_id=None, kid=None, key_destroyed=False, foreign_kid=None)
+        report.update(
+            vault_id=None,
+            kid=None,
+            key_destroyed=False,
+            destroyed_kids=[],
+            other_copies_kids=[],
+            foreign_kid=None,
+        )
         report["key_problem"] = (
             "the file is too damaged to name its vault id, so no keyring entry was destroyed; "
             "if you know the vault id, delete the keyring entry (service `memvault`) yourself"
@@ -97,7 +103,7 @@ def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict
     report.setdefault("kid", None)
     ks = keystore or KeyStore()
     ks.check_usable()
-    report.update(destroy_keys(ks, vault_id, kids))
+    report.update(keyjournal.destroy_entries(ks, vault_id, kids, {report["kid"]} - {None}))
     if report.get("foreign_kid"):
         report["key_problem"] = (
             f"the keyring entry of {vault_id} holds key {report['foreign_kid']}, which this file "
@@ -107,7 +113,16 @@ def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict
 
 def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
     """Under the exclusive lock: counts, marker, key, then every row. Raises _Damaged."""
-    fields = ("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid")
+    fields = (
+        "vault_id",
+        "kid",
+        "sessions",
+        "items",
+        "key_destroyed",
+        "destroyed_kids",
+        "other_copies_kids",
+        "foreign_kid",
+    )
 
     def count(conn: sqlite3.Connection) -> None:
         report["sessions"] = conn.execute(
@@ -153,6 +168,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                 else:
                     count(conn)
                     report["key_destroyed"] = report["foreign_kid"] = None
+                    report["destroyed_kids"] = report["other_copies_kids"] = None
                     # Recorded before the key goes, so a run cut off after destroying it
                     # says so. In exclusive locking mode the lock outlives this commit.
                     set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
@@ -160,12 +176,20 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                     conn.execute("BEGIN EXCLUSIVE")
                     wrote_marker = True
                 if report.get("key_destroyed") is None:
-                    # The key goes first: from here on a crash leaves only unreadable
-                    # ciphertext. Only this file's key: another copy's stays (see above).
+                    # The keys go first: from here on a crash leaves only unreadable
+                    # ciphertext. Every version the file records: a backup restored
+                    # with an older kit dies with it.
                     try:
                         ks = keystore or KeyStore()
                         ks.check_usable()
-                        outcome = destroy_keys(ks, vault_id, {meta["kid"], kid})
+                        in_use = {kid} | {
+                            v.kid
+                            for v in keyjournal.versions(conn)
+                            if v.state == keyjournal.PENDING
+                        }
+                        outcome = keyjournal.destroy_entries(
+                            ks, vault_id, keyjournal.known_kids(conn, meta), in_use
+                        )
                     except BaseException:
                         if wrote_marker:
                             # The key is still there: leave no sign of a shred that never

@@ -22,7 +22,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import crypto, durations, files, paths, testhooks
+from . import crypto, durations, files, keyjournal, paths, testhooks
 from .db import (
     audit,
     check_header,
@@ -44,12 +44,14 @@ from .errors import (
     VaultExists,
 )
 from .files import Progress
+from .keyjournal import CURRENT, entry_name
 from .keys import KeyStore
 from .lifecycle import KeyLifecycle
 from .results import Cleared, Popped, Report, SessionInfo
 from .schema import (
     DEFAULT_TTL,
     FORMAT,
+    LEGACY_FORMAT,
     MESSAGES_TABLE,
     SESSIONS_TABLE,
     migrate,
@@ -140,7 +142,7 @@ class Vault(KeyLifecycle):
         try:
             # The key goes in first: a crash between the two leaves an unused keyring
             # entry, never a vault without its key.
-            ks.set(vault_id, key)
+            ks.set(entry_name(vault_id, kid), key)
             vault = cls(path, ks)
             with vault.connection() as conn:
                 # Kept by the file; SQLite refuses to change it inside a transaction.
@@ -159,13 +161,14 @@ class Vault(KeyLifecycle):
                 conn.executemany(
                     "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
                 )
+                keyjournal.record(conn, kid, CURRENT)
                 audit(conn, "init", kid, ttl=durations.format_duration(ttl))
         except BaseException:
             for p in paths.sidecars(path):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
             with contextlib.suppress(VaultError):
-                ks.delete(vault_id)
+                ks.delete(entry_name(vault_id, kid))
             raise
         vault._sealer = crypto.Sealer(key)
         return vault
@@ -180,7 +183,7 @@ class Vault(KeyLifecycle):
         refuse_odd_side_files(path)
         vault = cls(path, keystore)
         meta = vault.meta()
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
             raise NotAVault(
                 f"{path} has an unknown memvault format {meta.get('format')!r}; upgrade memvault"
             )
