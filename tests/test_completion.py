@@ -149,7 +149,7 @@ def test_paths_complete_as_files(line: str) -> None:
 
 def test_commands_and_options_complete() -> None:
     assert "completion" in values("memvault comp")
-    assert set(values("memvault key ")) == {"export", "import"}
+    assert {"export", "import"} <= set(values("memvault key "))
     assert "--passphrase-stdin" in values("memvault key import --pass")
     assert values("memvault completion ") == ["bash", "zsh", "fish"]
 
