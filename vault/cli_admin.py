@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from .cli import (
+    PATH,
     check_scrub,
     cli,
     common,
@@ -133,6 +134,7 @@ def revoke(yes: bool) -> None:
 @click.option(
     "--receipt",
     metavar="FILE",
+    type=PATH,
     help="Write a JSON record of what was destroyed to FILE, a new file (mode 0600).",
 )
 @common
