@@ -470,6 +470,6 @@ class Vault(KeyLifecycle):
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str) -> Any:
         """An `EncryptedSession` over this vault (imports the Agents SDK)."""
-        from .session import make_session
+        from .session import VaultSession
 
-        return make_session(self, session_id)
+        return VaultSession(self, session_id)
