@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from agents.memory import OpenAIResponsesCompactionSession
 from agents.testing import ScriptedModel, assistant_message
 
 import vault as vault_pkg
-from tests.conftest import raw_bytes, rows
+from tests.conftest import ScriptedCompactor, raw_bytes, rows
 from vault import Vault
 
 
@@ -70,42 +69,26 @@ def test_without_session_settings_the_history_is_unlimited(vault: Any, vault_db:
     asyncio.run(go())
 
 
-class ScriptedCompactClient:
-    """Stands in for `AsyncOpenAI` where the SDK calls `client.responses.compact(...)`."""
-
-    def __init__(self, summary: str) -> None:
-        self.calls: list[dict[str, Any]] = []
-        self.summary = summary
-        self.responses = SimpleNamespace(compact=self._compact)
-
-    async def _compact(self, **kwargs: Any) -> Any:
-        self.calls.append(kwargs)
-        text = {"type": "input_text", "text": self.summary}
-        return SimpleNamespace(
-            output=[{"type": "message", "role": "user", "content": [text]}], usage=None
-        )
-
-
 @pytest.mark.parametrize("ttl", [3600, None], ids=["ttl-1h", "ttl-never"])
 def test_compaction_session_over_the_vault_compacts_and_keeps_it_sealed(
     vault_db: Path, ttl: int | None
 ) -> None:
     v = Vault.init(vault_db, ttl=ttl)
-    client = ScriptedCompactClient("summary: asked the question")
+    compactor = ScriptedCompactor("summary: asked the question", role="user")
 
     async def go() -> tuple[ScriptedModel, list[Any]]:
         inner = vault_pkg.open_session("chat", vault_db)
         session = OpenAIResponsesCompactionSession(
             "chat",
             underlying_session=inner,
-            client=client,  # type: ignore[arg-type]
+            client=compactor.client,  # type: ignore[arg-type]
             should_trigger_compaction=lambda context: True,
         )
         model = ScriptedModel([[assistant_message("first")], [assistant_message("second")]])
         agent = Agent(name="t", instructions="be brief", model=model)
         # Turn one; the SDK compacts right after storing it.
         await Runner.run(agent, "the question", session=session)
-        assert len(client.calls) == 1
+        assert len(compactor.calls) == 1
         fresh = vault_pkg.open_session("chat", vault_db)
         compacted = await fresh.get_items()
         fresh.close()
@@ -133,11 +116,15 @@ def test_compaction_session_over_the_vault_compacts_and_keeps_it_sealed(
 def test_manual_run_compaction_replaces_the_history_through_the_vault(
     vault: Any, vault_db: Path
 ) -> None:
-    client = ScriptedCompactClient("summary of two turns")
+    compactor = ScriptedCompactor("summary of two turns", role="user")
 
     async def go() -> list[Any]:
         inner = vault_pkg.open_session("chat", vault_db)
-        session = OpenAIResponsesCompactionSession("chat", inner, client=client)  # type: ignore[arg-type]
+        session = OpenAIResponsesCompactionSession(
+            "chat",
+            inner,
+            client=compactor.client,  # type: ignore[arg-type]
+        )
         await session.add_items(
             [
                 {"role": "user", "content": "one"},
@@ -151,8 +138,8 @@ def test_manual_run_compaction_replaces_the_history_through_the_vault(
         return items
 
     items = asyncio.run(go())
-    assert len(client.calls) == 1
-    sent = json.dumps(client.calls[0]["input"])
+    assert len(compactor.calls) == 1
+    sent = json.dumps(compactor.calls[0]["input"])
     assert "reply one" in sent and "two" in sent
     assert [i["content"][0]["text"] for i in items] == ["summary of two turns"]
     assert len(rows(vault_db)) == 1 and b"reply one" not in raw_bytes(vault_db)

@@ -3,29 +3,31 @@
 This is the only module that imports `agents` (about 2 s), and only when an
 agent session is actually opened.
 
-SDK internals this module relies on. Each has a test in tests/test_compat.py
-that checks its signature and its behaviour, so raising the `openai-agents` pin
-(pyproject.toml) fails loudly wherever one of them changed:
+SDK internals this module relies on (all private or undocumented, as of
+openai-agents 0.24). tests/test_compat.py checks each one's signature and
+behaviour, and that this list names every one the code here touches, so raising
+the `openai-agents` pin in pyproject.toml is a deliberate step:
 
 - `SQLiteSession._configure_connection(conn)`: static hook the SDK calls on every
   connection it opens; overridden to add the vault's pragmas, then chained.
 - `SQLiteSession._init_db_for_connection(conn)`: the SDK's schema creation at
-  construction; overridden so a session never creates tables (or a file).
+  construction; overridden so a session never creates tables in a file.
 - `SQLiteSession._get_connection()`: where every SDK read and write gets its
   thread's connection; overridden to open it mode=rw and notice changed files.
 - `SQLiteSession._check_not_closed()`: called first, as the SDK's own does.
-- `SQLiteSession._local`, `._connections`, `._connection_owners`,
-  `._connections_lock`, `._close_connections_from_exited_threads()`: the SDK's
-  per-thread connection registry, which our `_get_connection` keeps as the SDK
-  does so that `close()` closes every connection.
+- `SQLiteSession._local`, `SQLiteSession._connections`,
+  `SQLiteSession._connection_owners`, `SQLiteSession._connections_lock`,
+  `SQLiteSession._close_connections_from_exited_threads()`: the SDK's per-thread
+  connection registry, kept by our `_get_connection` as the SDK's own keeps it,
+  so that `close()` closes every connection.
 - `SQLiteSession._pop_item_with_validation(validate)`: EncryptedSession.pop_item
   authenticates inside the delete's transaction through it (only while our
   subclass keeps the SDK's `pop_item`); overridden to note that a row went.
-- `SQLiteSession._get_compaction_snapshot(limit, *, prune_prefix)`: returns None
-  for subclasses, so `OpenAIResponsesCompactionSession` replaces history through
-  our `clear_session`/`add_items` (audited, scrubbed) and not in raw SQL.
+- `SQLiteSession._get_compaction_snapshot(limit, *, prune_prefix)`: None for a
+  subclass, so `OpenAIResponsesCompactionSession` replaces history through our
+  `clear_session`/`add_items` (audited, scrubbed), never in raw SQL.
 - `EncryptedSession.cipher`: the per-session Fernet that seals and opens; set
-  from the vault's key (and again after a rotation).
+  from the vault's key, and again after a rotation.
 - `EncryptedSession._kid`: the `kid` written into every envelope; set to the
   vault's key id, which the file's triggers require.
 - `EncryptedSession._unwrap(item)`: opens one envelope; overridden to reload the
@@ -33,10 +35,12 @@ that checks its signature and its behaviour, so raising the `openai-agents` pin
 - `EncryptedSession._get_compaction_snapshot(limit)`: what the compaction wrapper
   reads; it computes `now - ttl`, so it is overridden for a vault that never
   expires.
-- `EncryptedSession.ttl`: read on every call; `None` (never) passes to Fernet as
+- `EncryptedSession.ttl`: read on every call; `None` (never) goes to Fernet as
   no TTL, and a TTL changed by another process is set here.
-- the `wrapper` keyword of EncryptedSession's `get_items`, `add_items`,
-  `pop_item` and `clear_session`, which the overrides here accept and pass on.
+- `EncryptedSession.get_items(limit, *, wrapper)`, `EncryptedSession.add_items(items,
+  *, wrapper)`, `EncryptedSession.pop_item(*, wrapper)`,
+  `EncryptedSession.clear_session(*, wrapper)`: overridden; the Runner passes its
+  context as `wrapper` only to methods that take a keyword of that name.
 """
 
 from __future__ import annotations
