@@ -69,6 +69,13 @@ def test_without_session_settings_the_history_is_unlimited(vault: Any, vault_db:
     asyncio.run(go())
 
 
+def test_vault_session_takes_the_same_settings(vault: Any) -> None:
+    s = vault.session("chat", session_settings=SessionSettings(limit=1))
+    assert s.session_settings == SessionSettings(limit=1)
+    assert s.underlying_session.session_settings == SessionSettings(limit=1)
+    s.close()
+
+
 @pytest.mark.parametrize("ttl", [3600, None], ids=["ttl-1h", "ttl-never"])
 def test_compaction_session_over_the_vault_compacts_and_keeps_it_sealed(
     vault_db: Path, ttl: int | None
