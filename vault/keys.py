@@ -62,8 +62,9 @@ _FILE_REASON = (
 _CHAINER = "keyring.backends.chainer"
 _SECRET_SERVICE_FIX = (
     "run memvault in a desktop session with an unlocked keyring, or (on a server or over "
-    "SSH) start one first: `dbus-run-session -- sh -c 'gnome-keyring-daemon --unlock "
-    "--components=secrets <PASSWORD_FILE; memvault ...'`"
+    "SSH) through the memvault-headless script, which starts a private one with "
+    "`dbus-run-session` and `gnome-keyring-daemon --unlock` from a passphrase file: see "
+    'README.md, "On a server or over SSH"'
 )
 
 

@@ -496,8 +496,9 @@ class Vault(KeyLifecycle):
         return shred(self.path, self._keystore, progress)
 
     # -- agent sessions -------------------------------------------------
-    def session(self, session_id: str) -> Any:
-        """An `EncryptedSession` over this vault (imports the Agents SDK)."""
-        from .session import make_session
+    def session(self, session_id: str, *, session_settings: Any = None) -> Any:
+        """An `EncryptedSession` over this vault (imports the Agents SDK); `session_settings`
+        as `open_session` takes it."""
+        from .session import VaultSession
 
-        return make_session(self, session_id)
+        return VaultSession(self, session_id, session_settings=session_settings)
