@@ -297,4 +297,4 @@ def main() -> None:
 
 
 # The commands register themselves on `cli`; imported last, since they import it from here.
-from . import cli_admin, cli_agent, cli_history, cli_keys  # noqa: E402, F401
+from . import cli_admin, cli_agent, cli_care, cli_history, cli_keys  # noqa: E402, F401
