@@ -101,7 +101,7 @@ def verify_cmd() -> None:
         click.echo(f"key        {key}")
         counts = f"{plural(report.items, 'item')} in {plural(report.sessions, 'session')}"
         if report.authenticated is None:
-            counts += ": not authenticated (no usable key)"
+            counts += f": not authenticated ({report.unverified_reason})"
         else:
             counts += f": {report.authenticated} authenticate ({report.expired} expired)"
         click.echo(f"items      {counts}")

@@ -88,6 +88,7 @@ class VerifyReport:
     details: dict[str, list[str]] = field(default_factory=dict)
     key: str = "not checked"
     key_error: KeyProblem | None = None
+    unverified_reason: str | None = None  # why `authenticated` is None
 
     @property
     def ok(self) -> bool:
@@ -118,6 +119,7 @@ class VerifyReport:
             "fixes": {k: PROBLEMS[k][1] for k, n in self.problems.items() if n},
             "key": self.key,
             "key_problem": self.key_error.message if self.key_error else None,
+            "unverified_reason": self.unverified_reason,
         }
 
 
@@ -143,8 +145,7 @@ def verify(
             _triggers(conn, report)
             _integrity(conn, report)
             _items(conn, report, sealer, meta)
-            conn.execute("COMMIT")
-            return report
+            return report  # the read transaction ends with the connection (rolled back)
     raise VaultBusy(
         f"{path} kept changing key while being verified (rotations in a loop?); try again"
     )
@@ -156,9 +157,12 @@ def _sealer(vault: Vault, report: VerifyReport) -> crypto.Sealer | None:
     except KeyProblem as exc:
         report.key = "key revoked" if isinstance(exc, KeyRevoked) else "unusable"
         report.key_error = exc
+        report.unverified_reason = "no usable key"
         return None
     except NotAVault:
-        return None  # meta without vault id or kid: `_meta` reports it; no key to look up
+        # Meta without vault id or kid: `_meta` reports it; there is no key to look up.
+        report.unverified_reason = "the meta does not name the vault's key"
+        return None
     report.key = "present and matching"
     return sealer
 
@@ -289,8 +293,10 @@ def _items(
     except sqlite3.DatabaseError as exc:
         if is_damage(exc):
             report.add("integrity", f"reading the items stopped after {report.items}: {exc}")
+            report.unverified_reason = report.unverified_reason or "the file is damaged"
         elif isinstance(exc, sqlite3.OperationalError):  # no such table or column
             report.add("schema", f"the items cannot be read: {exc}")
+            report.unverified_reason = report.unverified_reason or "the items cannot be read"
         else:
             raise
         return
