@@ -30,6 +30,8 @@ COMMANDS = [
     "log",
     "demo",
     "import",
+    "backup",
+    "verify",
     "key",
     "key export",
     "key import",
