@@ -339,3 +339,40 @@ def test_shredding_a_backup_destroys_the_key_it_shares_with_the_live_vault(
     r = run_cli("show", "work")
     assert r.code == 4, r  # the live vault's key went with the backup
     assert "no key" in one_line_error(r)
+
+
+def test_a_backup_that_cannot_be_written_leaves_nothing_behind(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """The disk fills up half-way (a file-size limit on the child): one line, exit 1,
+    and no partial copy, while the vault itself is untouched."""
+    import resource
+    import signal
+
+    add_items(vault_db, "big", [user(f"item {i} " + "z" * 500) for i in range(200)])
+    with contextlib.closing(sqlite3.connect(vault_db)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    size = vault_db.stat().st_size
+    assert size > 4 * 32768  # room for the -shm (32 KiB) under the limit, not for the copy
+    limit = size // 2
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    dest = tmp_path / "backup.db"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vault", "backup", str(dest)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        preexec_fn=small_files,
+    )
+    assert proc.returncode == 1, proc
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.startswith("memvault: error: cannot write the backup"), err
+    assert not os.path.lexists(dest) and side_files(dest) == []
+    assert integrity(vault_db) == ["ok"]
+    assert run_cli("verify").code == 0

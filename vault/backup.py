@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import stat
 import urllib.parse
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import files, paths
-from .db import connect, sqlite_errors
+from .db import connect, is_busy, is_damage, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE
 from .store import Vault
@@ -175,7 +176,15 @@ def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
             # VACUUM INTO accepts an existing empty file and keeps its mode. The
             # connection takes URIs, so the name is passed as one (a '?' or '#' in a
             # path stays part of the name).
-            conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(target)),))
+            try:
+                conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(target)),))
+            except sqlite3.Error as exc:
+                if is_busy(exc) or is_damage(exc):
+                    raise  # the vault's own state: said as every command says it
+                raise OperationFailed(
+                    f"cannot write the backup {target} ({exc}); nothing was written; check "
+                    "the free space and the permissions of its folder"
+                ) from None
         now = os.lstat(target)
         if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
             raise OperationFailed(

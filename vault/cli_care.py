@@ -94,7 +94,7 @@ def verify_cmd() -> None:
     doc = report.as_dict()
 
     def human() -> None:
-        click.echo(f"vault      {report.path}  ({report.vault_id})")
+        click.echo(f"vault      {report.path}  ({report.vault_id or 'no vault id'})")
         key = report.key + (f", key id {report.kid}" if report.kid else "")
         if report.key_error:
             key = f"{report.key}: {report.key_error.message}"
