@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sqlite3
 import stat
 import subprocess
@@ -347,7 +348,6 @@ def test_a_backup_that_cannot_be_written_leaves_nothing_behind(
     """The disk fills up half-way (a file-size limit on the child): one line, exit 1,
     and no partial copy, while the vault itself is untouched."""
     import resource
-    import signal
 
     add_items(vault_db, "big", [user(f"item {i} " + "z" * 500) for i in range(200)])
     with contextlib.closing(sqlite3.connect(vault_db)) as conn:
@@ -375,4 +375,54 @@ def test_a_backup_that_cannot_be_written_leaves_nothing_behind(
     assert err.startswith("memvault: error: cannot write the backup"), err
     assert not os.path.lexists(dest) and side_files(dest) == []
     assert integrity(vault_db) == ["ok"]
+    assert run_cli("verify").code == 0
+
+
+def test_a_rotation_committed_during_the_backup_is_reported(
+    vault: Vault, vault_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy keeps the old key id; the keyring now holds the new key only."""
+    from vault import testhooks
+    from vault.backup import backup
+
+    filled(vault_db)
+    old_kid = vault.meta()["kid"]
+
+    def rotate_meanwhile(name: str) -> None:
+        if name == "backup-copied":
+            Vault.open(vault_db).rotate()
+
+    monkeypatch.setattr(testhooks, "failpoint", rotate_meanwhile)
+    r = backup(Vault.open(vault_db), tmp_path / "backup.db")
+    assert r.kid == old_kid != vault.meta()["kid"]
+    assert r.key == "unusable"
+    assert r.key_problem and "rotated during the backup" in r.key_problem
+
+
+def test_ctrl_c_while_the_copy_is_settled_leaves_no_partial_backup(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    from tests.conftest import default_sigint
+
+    filled(vault_db)
+    dest = tmp_path / "backup.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vault", "backup", str(dest)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, MEMVAULT_PAUSEPOINT="backup-vacuumed"),
+        cwd=ROOT,
+        preexec_fn=default_sigint,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()  # blocks until the pause point is reached (or the exit)
+    assert "paused at backup-vacuumed" in line, line
+    assert dest.exists()  # written, not yet settled
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().startswith("memvault: error: interrupted"), err
+    assert not os.path.lexists(dest) and side_files(dest) == []
     assert run_cli("verify").code == 0

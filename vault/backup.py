@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import files, paths
+from . import files, paths, testhooks
 from .db import connect, is_busy, is_damage, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE
@@ -106,27 +106,19 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
             "it; nothing was written"
         )
     target = check_destination(dest)
+    kid, vault_id, sessions, items = _copy(vault, target)
+    testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still
-    # worth having (a recovery kit may hold the key). Checking first also finishes a
-    # rotation cut off before its key was promoted, so the copy's kid is the keyring's.
+    # worth having (a recovery kit may hold the key). Checked after the copy, against
+    # the copy's kid, so a rotation committed during the backup is noticed (and a
+    # rotation cut off before its key was promoted is finished by `sealer`).
     key_problem: str | None = None
-    key_kid: str | None = None
     try:
-        key_kid = vault.sealer().kid
-    except KeyRevoked:
-        raise
-    except KeyProblem as exc:
+        key_kid = vault.sealer(refresh=True).kid
+    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
         key_problem = exc.message
-
-    copied = _copy(vault, target)
-    kid, vault_id, sessions, items = copied
-    if key_kid is not None and key_kid != kid:
-        # A rotation committed between the key check and the snapshot.
-        try:
-            key_kid = vault.sealer(refresh=True).kid
-        except KeyProblem as exc:
-            key_kid, key_problem = None, exc.message
-        if key_kid is not None and key_kid != kid:
+    else:
+        if key_kid != kid:
             key_problem = (
                 f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
                 f"open the copy (key {kid}); run `memvault backup` again"
@@ -185,6 +177,7 @@ def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
                     f"cannot write the backup {target} ({exc}); nothing was written; check "
                     "the free space and the permissions of its folder"
                 ) from None
+        testhooks.failpoint("backup-vacuumed")
         now = os.lstat(target)
         if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
             raise OperationFailed(
