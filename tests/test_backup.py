@@ -288,6 +288,26 @@ def test_a_side_file_beside_the_destination_is_refused(
     assert target.read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("", "is empty"),
+        ("missing-folder/backup.db", "does not exist"),
+        ("bad\udcff.db", "not valid UTF-8"),
+    ],
+)
+def test_an_unusable_destination_name_is_a_usage_error(
+    vault: Vault, vault_db: Path, tmp_path: Path, name: str, says: str
+) -> None:
+    filled(vault_db)
+    dest = str(tmp_path / name) if name else ""
+    listing = sorted(os.listdir(tmp_path))
+    r = run_cli("backup", dest)
+    assert r.code == 2, r
+    assert says in one_line_error(r)
+    assert sorted(os.listdir(tmp_path)) == listing
+
+
 def test_backup_without_a_vault_is_exit_3_and_writes_nothing(tmp_path: Path) -> None:
     dest = tmp_path / "backup.db"
     r = run_cli("backup", str(dest))

@@ -64,6 +64,8 @@ def check_destination(dest: str | os.PathLike[str]) -> Path:
 
     SQLite would write through a `-wal` or `-journal` link left beside DEST.
     """
+    # SQLite takes the name as text: bytes that are not UTF-8 are refused up front.
+    paths.require_text_path(dest, "the backup path")
     target = files.check_new_file(dest, "backup")
     for side in paths.sidecars(target)[1:]:
         if os.path.lexists(side):
