@@ -1,9 +1,8 @@
 """`verify`: check everything a vault promises, without changing it.
 
-`status` and `sessions` count cheaply; `verify` does the full work: SQLite's
-`integrity_check`, every item authenticated under the key (in batches, never
-all rows at once), the guard triggers as memvault creates them, the meta rows
-and the recorded migrations, and the key itself. Unlike every other command it
+SQLite's `integrity_check`, every item authenticated under the key (in
+batches, never all rows at once), the guard triggers as memvault creates them,
+the meta rows and the recorded migrations, and the key itself. Unlike every other command it
 neither migrates nor scrubs the file: it reports what it finds.
 
 A key that cannot be used (missing, revoked, mismatched, no keyring) is a key
