@@ -63,6 +63,7 @@ def probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]
         ["completion", "bash"],
         ["completion", "zsh"],
         ["completion", "fish"],
+        ["verify"],
     ],
 )
 def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:
@@ -89,6 +90,14 @@ def test_shred_does_not_import_agents(vault: Any) -> None:
     code, mods = probe("shred", "--yes")
     assert code == 0
     assert mods == []
+
+
+def test_backup_does_not_import_agents(vault: Any, vault_db: Path, tmp_path: Path) -> None:
+    add_items(vault_db, "s1", [user("hello")])
+    code, mods = probe("backup", str(tmp_path / "backup.db"))
+    assert code == 0
+    assert mods == []
+    assert (tmp_path / "backup.db").exists()
 
 
 def test_probe_detects_an_agents_import(vault: Any) -> None:
