@@ -1,4 +1,4 @@
-"""Regressions for defects an adversarial review proved, one test each."""
+"""Copies of a vault, revocations cut short, and shreds resumed or aimed at odd paths."""
 
 from __future__ import annotations
 
