@@ -398,3 +398,33 @@ def test_the_private_keyring_comes_back_unlocked_if_its_daemon_dies(tmp_path: Pa
     proc = in_another_private_keyring(DAEMON_DIES, tmp_path / "h.db")
     assert proc.stderr.strip().splitlines()[-1:] == ["exit=0"], proc.stderr
     assert proc.stdout.strip() == "no sessions", proc.stdout
+
+
+# -- An entry deleted between the keyring's search and its fetch ---------------
+class ItemNotFoundException(Exception):  # noqa: N818  secretstorage's name, matched by name
+    pass
+
+
+class Vanishing:
+    """A backend whose entry is found, then gone when fetched (another process deleted
+    it: a rotation dropping the key it retired), `fails` times in a row."""
+
+    def __init__(self, fails: int, value: str | None) -> None:
+        self.fails, self.value, self.calls = fails, value, 0
+
+    def get_password(self, service: str, username: str) -> str | None:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise ItemNotFoundException("Item does not exist!")
+        return self.value
+
+
+def test_an_entry_deleted_while_being_read_is_missing_not_a_broken_keyring() -> None:
+    from vault.keys import KeyStore
+
+    always = Vanishing(fails=99, value=None)
+    assert KeyStore(backend=always).get("mv-x/mv1:0000000000000000") is None
+    assert always.calls == 5  # searched again each time, then judged gone
+
+    once = Vanishing(fails=1, value="a key")
+    assert KeyStore(backend=once).get("mv-x/mv1:0000000000000000") == "a key"

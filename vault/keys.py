@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -333,9 +334,10 @@ class KeyStore:
             try:
                 return self._call(what, self._backend.get_password, SERVICE, name)
             except KeyringUnavailable as exc:
-                if not _vanished(exc) or attempt == 4:
+                if not _vanished(exc):
                     raise
-        return None
+            time.sleep(0.05 * (attempt + 1))  # the daemon's index may lag the deletion
+        return None  # found, then gone every time: deleted, so it is not there
 
     def set(self, name: str, key: str) -> None:
         """Store a key, and read it back: a backend that accepts a write but cannot

@@ -192,7 +192,7 @@ class KeyLifecycle(VaultFile):
                 ) from None
             raise Interrupted(
                 "interrupted after the rotation committed: every item is under the new key; "
-                "the next memvault command deletes the old key and scrubs the old bytes"
+                "the next memvault command finishes it (deletes the old key, scrubs the old bytes)"
             ) from None
 
     def _rotate(self, progress: Progress | None, scrub: bool) -> Report:
