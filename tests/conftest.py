@@ -151,39 +151,48 @@ def key_entry(vault: Any) -> str:
     return entry_name(vault.vault_id, vault.meta()["kid"])
 
 
-def keyring_entries(vault_id: str) -> dict[str, str]:
-    """Every keyring entry of this vault, in any collection: username -> secret.
+def keyring_items() -> list[tuple[dict[str, str], str]]:
+    """Every secret in the session's keyring, any service, any collection: (attributes, secret).
 
     The `keyring` API cannot list, so this reads the store underneath: through
-    secretstorage in the Secret Service, or the memory backend's file. This is how
-    a test sees a key memvault left behind under a name it did not look up.
+    secretstorage in the Secret Service, or the test backend's file.
     """
-
-    def mine(name: str) -> bool:
-        return name == vault_id or name.startswith((vault_id + "/", vault_id + "."))
-
     if not in_private_keyring():
         from tests import memory_keyring
 
-        stored = memory_keyring.entries("memvault")["memvault"]
-        return {name: secret for name, secret in stored.items() if mine(name)}
+        return [
+            ({"service": service, "username": name}, secret)
+            for service, stored in memory_keyring.entries().items()
+            for name, secret in stored.items()
+        ]
 
     import secretstorage
 
     conn = secretstorage.dbus_init()
     try:
-        out: dict[str, str] = {}
+        out = []
         for coll in secretstorage.get_all_collections(conn):
-            assert not coll.is_locked()
+            assert not coll.is_locked(), "a locked collection cannot be listed"
             for item in coll.get_all_items():
-                attrs = item.get_attributes()
-                name = attrs.get("username", "")
-                if attrs.get("service") == "memvault" and mine(name):
-                    assert name not in out, f"two keyring entries named {name}"
-                    out[name] = item.get_secret().decode()
+                out.append((item.get_attributes(), item.get_secret().decode("utf-8", "replace")))
         return out
     finally:
         conn.close()
+
+
+def keyring_entries(vault_id: str) -> dict[str, str]:
+    """Every keyring entry of this vault, in any collection: username -> secret.
+
+    This is how a test sees a key memvault left behind under a name it did not look up.
+    """
+    out: dict[str, str] = {}
+    for attrs, secret in keyring_items():
+        name = attrs.get("username", "")
+        mine = name == vault_id or name.startswith((vault_id + "/", vault_id + "."))
+        if attrs.get("service") == "memvault" and mine:
+            assert name not in out, f"two keyring entries named {name}"
+            out[name] = secret
+    return out
 
 
 def add_items(db: Path, session_id: str, items: list[Any]) -> None:
