@@ -232,6 +232,7 @@ def test_a_chain_of_only_file_backends_is_refused(tmp_path: Path) -> None:
     assert not db.exists()
 
 
+@pytest.mark.secret_service  # the chain is of the backends keyring finds: Secret Service
 def test_a_chain_keeps_the_key_only_in_the_backends_that_protect_it(
     vault_db: Path, tmp_path: Path
 ) -> None:
