@@ -60,10 +60,11 @@ def test_probe_the_session_uses_the_keyring_its_mode_promises(tmp_path: Path) ->
     assert isinstance(keyring.get_keyring(), memory_keyring.Keyring)
     assert os.environ["PYTHON_KEYRING_BACKEND"] == MEMORY_BACKEND
     # A CLI subprocess inherits the session's backend: its key is in the session's file.
-    db = tmp_path / "v.db"
-    assert vault_cli("--db", str(db), "init", env=dict(os.environ)).returncode == 0
+    made = vault_cli("--db", str(tmp_path / "v.db"), "--json", "init", env=dict(os.environ))
+    assert made.returncode == 0, made.stderr
+    vault_id, kid = json.loads(made.stdout)["vault_id"], json.loads(made.stdout)["kid"]
     stored = memory_keyring.entries("memvault")["memvault"]
-    assert len(stored) == 1
+    assert f"{vault_id}/{kid}" in stored
 
 
 @pytest.mark.secret_service
