@@ -1,8 +1,13 @@
-"""Shared fixtures. The suite refuses to run outside a private Secret Service.
+"""Shared fixtures.
 
-Run it with `scripts/test`, which starts gnome-keyring-daemon inside
-dbus-run-session with a temporary HOME: the developer's own keyring is never
-touched.
+`scripts/test` (and CI) run the suite inside a private, throwaway Secret Service
+(gnome-keyring-daemon under dbus-run-session with a temporary HOME): every test
+runs, against the real keyring, and the developer's own keyring is never touched.
+
+Run with plain `python -m pytest` instead (macOS, Windows, or no gnome-keyring),
+the suite uses a test-only keyring backend (tests/memory_keyring.py) kept in
+the session's temporary folder, and skips the tests marked `secret_service`,
+which need the real daemon.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,15 +35,52 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+MEMORY_BACKEND = "tests.memory_keyring.Keyring"
+SECRET_SERVICE_SKIP = (
+    "marked secret_service: needs the real Secret Service (gnome-keyring-daemon on D-Bus); "
+    "run it with scripts/test"
+)
+
+
+def in_private_keyring() -> bool:
+    """True under scripts/test (and CI): the real, private Secret Service."""
+    return os.environ.get("MEMVAULT_IN_PRIVATE_KEYRING") == "1"
+
+
+_memory_dir: str | None = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("MEMVAULT_IN_PRIVATE_KEYRING") != "1":
-        pytest.exit(
-            "refusing to run outside a private keyring: use scripts/test "
-            "(it starts a throwaway gnome-keyring-daemon in a private D-Bus session)",
-            returncode=3,
-        )
-    backend = type(keyring.get_keyring())
-    assert backend.__module__ == "keyring.backends.SecretService", backend
+    global _memory_dir
+    if in_private_keyring():
+        backend = type(keyring.get_keyring())
+        assert backend.__module__ == "keyring.backends.SecretService", backend
+        return
+    # Outside scripts/test: never the developer's own keyring. The memory backend's file
+    # lives in a temporary folder; the variables reach every subprocess a test starts.
+    from tests import memory_keyring
+
+    _memory_dir = tempfile.mkdtemp(prefix="memvault-test-keyring-")
+    os.environ[memory_keyring.ENV_FILE] = str(Path(_memory_dir) / "keyring.json")
+    os.environ["PYTHON_KEYRING_BACKEND"] = MEMORY_BACKEND
+    # So that a subprocess started from another folder can still import tests.memory_keyring.
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
+    keyring.set_keyring(memory_keyring.Keyring())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _memory_dir is not None:
+        shutil.rmtree(_memory_dir, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if in_private_keyring():
+        return  # CI and scripts/test run everything
+    skip = pytest.mark.skip(reason=SECRET_SERVICE_SKIP)
+    for item in items:
+        if item.get_closest_marker("secret_service") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -107,29 +151,48 @@ def key_entry(vault: Any) -> str:
     return entry_name(vault.vault_id, vault.meta()["kid"])
 
 
-def keyring_entries(vault_id: str) -> dict[str, str]:
-    """Every keyring entry of this vault, in any collection: username -> secret.
+def keyring_items() -> list[tuple[dict[str, str], str]]:
+    """Every secret in the session's keyring, any service, any collection: (attributes, secret).
 
-    Lists through secretstorage, because the `keyring` API cannot list: this is
-    how a test sees a key memvault left behind under a name it did not look up.
+    The `keyring` API cannot list, so this reads the store underneath: through
+    secretstorage in the Secret Service, or the test backend's file.
     """
+    if not in_private_keyring():
+        from tests import memory_keyring
+
+        return [
+            ({"service": service, "username": name}, secret)
+            for service, stored in memory_keyring.entries().items()
+            for name, secret in stored.items()
+        ]
+
     import secretstorage
 
     conn = secretstorage.dbus_init()
     try:
-        out: dict[str, str] = {}
+        out = []
         for coll in secretstorage.get_all_collections(conn):
-            assert not coll.is_locked()
+            assert not coll.is_locked(), "a locked collection cannot be listed"
             for item in coll.get_all_items():
-                attrs = item.get_attributes()
-                name = attrs.get("username", "")
-                mine = name == vault_id or name.startswith((vault_id + "/", vault_id + "."))
-                if attrs.get("service") == "memvault" and mine:
-                    assert name not in out, f"two keyring entries named {name}"
-                    out[name] = item.get_secret().decode()
+                out.append((item.get_attributes(), item.get_secret().decode("utf-8", "replace")))
         return out
     finally:
         conn.close()
+
+
+def keyring_entries(vault_id: str) -> dict[str, str]:
+    """Every keyring entry of this vault, in any collection: username -> secret.
+
+    This is how a test sees a key memvault left behind under a name it did not look up.
+    """
+    out: dict[str, str] = {}
+    for attrs, secret in keyring_items():
+        name = attrs.get("username", "")
+        mine = name == vault_id or name.startswith((vault_id + "/", vault_id + "."))
+        if attrs.get("service") == "memvault" and mine:
+            assert name not in out, f"two keyring entries named {name}"
+            out[name] = secret
+    return out
 
 
 def add_items(db: Path, session_id: str, items: list[Any]) -> None:

@@ -177,14 +177,17 @@ def test_completion_prints_clicks_own_script(shell: str) -> None:
 def test_the_bash_script_completes_session_ids_in_bash(vault: Any, vault_db: Path) -> None:
     # The whole chain: the script's function, run by bash, calling memvault.
     add_items(vault_db, "carnet-local", [user("hello")])
-    memvault = shutil.which("memvault")
-    assert memvault, "scripts/test puts the package's console script on PATH"
+    # The console script sits next to this Python (scripts/test also puts it on PATH; a
+    # plain `.venv/bin/python -m pytest` does not).
+    path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+    assert shutil.which("memvault", path=path), "the package's console script is installed"
     script = (
         "source <(memvault completion bash); COMP_WORDS=(memvault show carn); COMP_CWORD=2; "
         '_memvault_completion memvault; printf "%s\\n" "${COMPREPLY[@]}"'
     )
+    env = {**os.environ, "PATH": path}
     proc = subprocess.run(
-        ["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
+        ["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
     )
     assert proc.returncode == 0, proc
     assert proc.stdout.split() == ["carnet-local"], proc

@@ -257,6 +257,7 @@ echo "exit=$?" >&2
 """
 
 
+@pytest.mark.secret_service
 def test_locked_collection(tmp_path: Path) -> None:
     # A private keyring of its own: a locked collection cannot be unlocked headless.
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_IN_PRIVATE_KEYRING"}

@@ -19,6 +19,7 @@ from tests.conftest import (
     add_items,
     assistant,
     insert_sealed,
+    keyring_entries,
     raw_bytes,
     rows,
     run_cli,
@@ -57,23 +58,8 @@ def one_line(r: CLIResult, code: int, *needles: str) -> None:
 
 
 def take_keys(vault_id: str) -> dict[str, str]:
-    """Remove every keyring entry of the vault (whatever their names); return them.
-
-    Listed through secretstorage, since the `keyring` API cannot list.
-    """
-    import secretstorage
-
-    conn = secretstorage.dbus_init()
-    try:
-        taken: dict[str, str] = {}
-        for coll in secretstorage.get_all_collections(conn):
-            for item in coll.get_all_items():
-                attrs = item.get_attributes()
-                name = attrs.get("username", "")
-                if attrs.get("service") == "memvault" and name.startswith(vault_id):
-                    taken[name] = item.get_secret().decode()
-    finally:
-        conn.close()
+    """Remove every keyring entry of the vault (whatever their names); return them."""
+    taken = keyring_entries(vault_id)
     for name in taken:
         keyring.delete_password("memvault", name)
     assert taken

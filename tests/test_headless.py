@@ -22,6 +22,9 @@ import pytest
 
 from tests.conftest import ROOT, CLIResult
 
+# The script starts gnome-keyring-daemon in a D-Bus session of its own.
+pytestmark = pytest.mark.secret_service
+
 SECTION = "On a server or over SSH"
 SCRIPT = ROOT / "scripts" / "memvault-headless"
 PASSPHRASE = "correct horse battery staple\n"

@@ -67,6 +67,7 @@ COMMANDS = (["show", "s"], ["sessions"], ["rotate"], ["clear", "s", "--yes"])
 
 
 # -- No Secret Service reachable -----------------------------------------------
+@pytest.mark.secret_service
 def test_no_dbus_session_says_what_is_missing_and_how_to_start_one(
     filled: Path, tmp_path: Path
 ) -> None:
@@ -86,6 +87,7 @@ def test_no_dbus_session_says_what_is_missing_and_how_to_start_one(
     assert raw_bytes(filled) == before
 
 
+@pytest.mark.secret_service
 @pytest.mark.parametrize("address", ["unix:path={tmp}/no-bus-here", "not-an-address"])
 def test_an_unreachable_bus_address_is_named_with_the_fix(
     filled: Path, tmp_path: Path, address: str
@@ -230,6 +232,7 @@ def test_a_chain_of_only_file_backends_is_refused(tmp_path: Path) -> None:
     assert not db.exists()
 
 
+@pytest.mark.secret_service  # the chain is of the backends keyring finds: Secret Service
 def test_a_chain_keeps_the_key_only_in_the_backends_that_protect_it(
     vault_db: Path, tmp_path: Path
 ) -> None:
@@ -291,6 +294,7 @@ def in_another_private_keyring(script: str, db: Path) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.secret_service
 @pytest.mark.slow
 def test_a_stopped_keyring_daemon_is_exit_4_not_a_hang(tmp_path: Path) -> None:
     proc = in_another_private_keyring(STOPPED_DAEMON, tmp_path / "h.db")
@@ -391,6 +395,7 @@ echo "exit=$?" >&2
 """
 
 
+@pytest.mark.secret_service
 @pytest.mark.slow
 def test_the_private_keyring_comes_back_unlocked_if_its_daemon_dies(tmp_path: Path) -> None:
     # D-Bus restarts a dead daemon on the next call; it must come back unlocked, with the

@@ -29,7 +29,15 @@ from typing import Any
 import pytest
 from cryptography.fernet import Fernet
 
-from tests.conftest import CLIResult, add_items, assistant, raw_bytes, run_cli, user
+from tests.conftest import (
+    CLIResult,
+    add_items,
+    assistant,
+    keyring_items,
+    raw_bytes,
+    run_cli,
+    user,
+)
 from vault import crypto
 from vault.errors import KeyRevoked
 from vault.keyjournal import entry_name
@@ -91,19 +99,8 @@ def insert_raw(db: Path, session_id: str, message_data: str) -> None:
 
 
 def keyring_secrets() -> list[tuple[dict[str, str], str]]:
-    """Every secret in every collection of the (private) Secret Service."""
-    import secretstorage
-
-    conn = secretstorage.dbus_init()
-    try:
-        out = []
-        for coll in secretstorage.get_all_collections(conn):
-            assert not coll.is_locked(), "a locked collection cannot be searched for the old key"
-            for item in coll.get_all_items():
-                out.append((item.get_attributes(), item.get_secret().decode("utf-8", "replace")))
-        return out
-    finally:
-        conn.close()
+    """Every secret in every collection of the session's keyring."""
+    return keyring_items()
 
 
 def vault_entries(vault_id: str) -> dict[str, str]:
