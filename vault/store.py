@@ -19,6 +19,7 @@ import contextlib
 import os
 import secrets
 import sqlite3
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -438,29 +439,43 @@ class Vault(KeyLifecycle):
             audit(conn, "ttl", sealer.kid, old=old, new=new)
 
     def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
-        """Delete items that authenticate under the key and are past the TTL."""
+        """Delete items that authenticate under the key and are past the TTL.
+
+        Reads and deletes in batches of rows, in one transaction: memory stays flat
+        whatever the size of the vault. Each item is authenticated (HMAC), never
+        decrypted: an expired item is deleted without its plaintext being needed.
+        """
         sealer = self.sealer()
         deleted = kept = unreadable = 0
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
-            doomed = []
-            for row_id, sid, data in conn.execute(
-                f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
-            ).fetchall():
-                state = sealer.open(sid, data, ttl, now).state
-                if state is crypto.ItemState.EXPIRED:
-                    doomed.append((row_id,))
-                elif state is crypto.ItemState.UNREADABLE:
-                    unreadable += 1
-                else:
-                    kept += 1
+            current = int(time.time()) if now is None else now
+            last = -1
+            while True:
+                batch = conn.execute(
+                    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+                    "WHERE id > ? ORDER BY id LIMIT 1000",
+                    (last,),
+                ).fetchall()
+                if not batch:
+                    break
+                doomed = []
+                for row_id, sid, data in batch:
+                    state = sealer.state(sid, data, ttl, current)
+                    if state is crypto.ItemState.EXPIRED:
+                        doomed.append((row_id,))
+                    elif state is crypto.ItemState.UNREADABLE:
+                        unreadable += 1
+                    else:
+                        kept += 1
+                conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
+                deleted += len(doomed)
+                last = batch[-1][0]
                 if progress:
-                    progress(1)
+                    progress(len(batch))
             testhooks.failpoint("purge-in-transaction")
-            conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
-            deleted = len(doomed)
             if deleted:
                 set_meta(conn, scrub_pending="1")
             audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)
