@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import keyring
@@ -265,3 +266,23 @@ def run_on_terminal(
         os.close(fd)
     assert not pending, output
     return os.waitstatus_to_exitcode(status), output
+
+
+class ScriptedCompactor:
+    """Stands in for the Responses compact endpoint, as ScriptedModel does for the model:
+    pass `.client` as `OpenAIResponsesCompactionSession(..., client=...)`."""
+
+    def __init__(self, text: str = "summary", role: str = "assistant") -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.text = text
+        self.role = role
+        self.client = SimpleNamespace(responses=self)
+
+    async def compact(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        kind = "output_text" if self.role == "assistant" else "input_text"
+        content: dict[str, Any] = {"type": kind, "text": self.text}
+        if kind == "output_text":
+            content["annotations"] = []
+        summary = {"type": "message", "role": self.role, "content": [content]}
+        return SimpleNamespace(output=[summary], usage=None)

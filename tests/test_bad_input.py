@@ -219,7 +219,9 @@ def _kit_with(tmp_path: Path, n: int, r: int, p: int) -> Path:
     """A real kit of this vault (its true ids) with other scrypt parameters."""
     kit = tmp_path / "kit.json"
     if not kit.exists():
-        res = run_cli("key", "export", str(kit), input="correct horse battery staple\n")
+        res = run_cli(
+            "key", "export", "--passphrase-stdin", str(kit), input="correct horse battery staple\n"
+        )
         assert res.code == 0, res
     doc = json.loads(kit.read_text())
     doc["kdf"].update(n=n, r=r, p=p)
@@ -244,7 +246,9 @@ def test_key_import_refuses_a_costly_kit_before_deriving(
     kit = _kit_with(tmp_path, n, r, p)
     assert vault.keystore.delete(key_entry(vault))
     started = time.monotonic()
-    res = run_cli("key", "import", str(kit), input="wrong passphrase\n", timeout=60)
+    res = run_cli(
+        "key", "import", "--passphrase-stdin", str(kit), input="wrong passphrase\n", timeout=60
+    )
     one_line(res, 1, "asks scrypt for", "memvault never writes such a kit", "nothing was changed")
     assert time.monotonic() - started < 60
     assert vault.keystore.get(key_entry(vault)) is None
@@ -269,7 +273,11 @@ def test_kdf_bounds_admit_our_own_kits() -> None:
     [
         (("--db", "{fifo}", "status"), 3, "is a FIFO (named pipe), not a vault file"),
         (("--db", "{fifo}", "init"), 3, "is a FIFO (named pipe), not a vault file"),
-        (("key", "import", "{fifo}"), 2, "is a FIFO (named pipe); give the path of the recovery"),
+        (
+            ("key", "import", "--passphrase-stdin", "{fifo}"),
+            2,
+            "is a FIFO (named pipe); give the path of the recovery",
+        ),
         (("import", "{fifo}"), 2, "is a FIFO (named pipe); give the path of a SQLiteSession"),
     ],
 )

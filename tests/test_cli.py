@@ -17,6 +17,8 @@ from tests.conftest import (
     assistant,
     authenticated_counts,
     insert_sealed,
+    key_entry,
+    keyring_entries,
     raw_bytes,
     rows,
     run_cli,
@@ -88,7 +90,7 @@ def test_init_creates_private_files_and_a_keyring_key(vault_db: Path) -> None:
             assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     finally:
         live.close()
-    key = keyring.get_password("memvault", info["vault_id"])
+    key = keyring.get_password("memvault", f"{info['vault_id']}/{info['kid']}")
     assert key and Vault.open(vault_db).sealer().kid == info["kid"]
     # The key is nowhere in the file, nor in what init printed.
     assert key.encode() not in raw_bytes(vault_db)
@@ -97,12 +99,12 @@ def test_init_creates_private_files_and_a_keyring_key(vault_db: Path) -> None:
 
 def test_init_refuses_an_existing_vault_and_changes_nothing(vault: Any, vault_db: Path) -> None:
     before = raw_bytes(vault_db)
-    key = keyring.get_password("memvault", vault.vault_id)
+    key = keyring.get_password("memvault", key_entry(vault))
     r = run_cli("init")
     assert r.code == 1
     assert "already exists" in r.err and len(r.err.strip().splitlines()) == 1
     assert raw_bytes(vault_db) == before
-    assert keyring.get_password("memvault", vault.vault_id) == key
+    assert keyring.get_password("memvault", key_entry(vault)) == key
 
 
 def test_init_refuses_to_overwrite_another_file(vault_db: Path) -> None:
@@ -272,7 +274,7 @@ def test_shred_removes_key_rows_and_files(vault: Any, vault_db: Path, tmp_path: 
     assert not any(
         vault_db.with_name(vault_db.name + s).exists() for s in ("", "-wal", "-shm", "-journal")
     )
-    assert keyring.get_password("memvault", vid) is None
+    assert keyring_entries(vid) == {}
     assert json.loads(receipt.read_text())["vault_id"] == vid
     assert stat.S_IMODE(os.stat(receipt).st_mode) == 0o600
 
@@ -280,7 +282,7 @@ def test_shred_removes_key_rows_and_files(vault: Any, vault_db: Path, tmp_path: 
 def test_shred_asks_first(vault: Any, vault_db: Path) -> None:
     r = run_cli("shred")
     assert r.code == 1 and "aborted" in r.err
-    assert vault_db.exists() and keyring.get_password("memvault", vault.vault_id)
+    assert vault_db.exists() and keyring.get_password("memvault", key_entry(vault))
 
 
 @pytest.mark.parametrize("args", [["rotate"], ["purge", "--yes"], ["shred", "--yes"]])

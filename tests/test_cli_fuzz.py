@@ -155,6 +155,8 @@ def command_lines(w: World) -> st.SearchStrategy[list[str]]:
         st.tuples(st.just("import"), path, st.just("--session"), SESSIONS).map(list),
         st.tuples(st.just("key"), st.just("import"), path).map(list),
         st.tuples(st.just("key"), st.just("export"), path).map(list),
+        st.tuples(st.just("backup"), path).map(list),
+        st.just(["verify"]),
         st.tuples(st.just("chat"), SESSIONS).map(list),
         st.just(["demo", "--json"]),
         st.just(["demo", "--db", str(w.db)]),

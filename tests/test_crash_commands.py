@@ -101,7 +101,15 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
             "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", rows
         )
     assert (
-        run_cli("--db", str(db), "key", "export", str(folder / "kit.json"), input=PASS + "\n").code
+        run_cli(
+            "--db",
+            str(db),
+            "key",
+            "export",
+            "--passphrase-stdin",
+            str(folder / "kit.json"),
+            input=PASS + "\n",
+        ).code
         == 0
     )
     # An agent dies with its acknowledged items in the WAL...
@@ -226,8 +234,10 @@ def commands(img: Image) -> dict[str, Command]:
             random_kills=2,
             failpoints=("import-in-transaction",),
         ),
-        "key export": Command(["key", "export", exported], stdin=PASS + "\n"),
-        "key import": Command(["key", "import", kit, "--yes"], stdin=PASS + "\n"),
+        "key export": Command(["key", "export", "--passphrase-stdin", exported], stdin=PASS + "\n"),
+        "key import": Command(
+            ["key", "import", kit, "--yes", "--passphrase-stdin"], stdin=PASS + "\n"
+        ),
         "shred": Command(
             ["shred", "--yes"],
             kind="shred",

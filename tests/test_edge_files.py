@@ -18,7 +18,7 @@ from typing import Any
 import keyring
 import pytest
 
-from tests.conftest import add_items, raw_bytes, run_cli, user
+from tests.conftest import add_items, key_entry, keyring_entries, raw_bytes, run_cli, user
 from tests.test_errors import as_ordinary_user, one_line
 from tests.test_import import make_plain
 
@@ -97,7 +97,7 @@ def test_link_beside_a_healthy_vault_is_never_written_through(
     assert r.code == 0, r
     assert "symbolic link removed, not followed" in r.out
     assert target.read_bytes() == VICTIM_TEXT and gone(vault_db)
-    assert keyring.get_password("memvault", vid) is None
+    assert keyring_entries(vid) == {}
 
 
 def test_init_refuses_a_dangling_link_at_a_side_file(vault_db: Path, tmp_path: Path) -> None:
@@ -175,7 +175,7 @@ def test_import_of_a_fifo_is_refused(vault: Any, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------
 def _intact(vault: Any, vault_db: Path, before: bytes) -> None:
     assert raw_bytes(vault_db) == before
-    assert keyring.get_password("memvault", vault.vault_id)
+    assert keyring.get_password("memvault", key_entry(vault))
     assert "shred_started" not in meta(vault_db)
 
 
@@ -236,7 +236,7 @@ def test_shred_of_a_truncated_vault_destroys_its_key_and_files(vault: Any, vault
     assert r.code == 0, r
     report = r.json()
     assert report["vault_id"] == vid and report["key_destroyed"] is True and report["damaged"]
-    assert keyring.get_password("memvault", vid) is None
+    assert keyring_entries(vid) == {}
     assert gone(vault_db)
 
 
@@ -251,7 +251,7 @@ def test_shred_of_a_vault_with_a_damaged_page_one(vault: Any, vault_db: Path) ->
     r = run_cli("shred", "--yes")
     assert r.code == 0, r
     assert "damaged file, contents not counted; key destroyed" in r.out
-    assert keyring.get_password("memvault", vid) is None
+    assert keyring_entries(vid) == {}
     assert gone(vault_db)
 
 
@@ -265,9 +265,11 @@ def test_shred_of_a_vault_too_damaged_to_name_its_key_says_so(vault: Any, vault_
     r = run_cli("shred", "--yes")
     assert r.code == 0, r
     assert "key not destroyed" in r.out and "keyring entry (service `memvault`)" in r.out
-    assert keyring.get_password("memvault", vid)  # not named, so not touched
+    entries = keyring_entries(vid)
+    assert entries  # not named, so not touched
     assert gone(vault_db)
-    keyring.delete_password("memvault", vid)
+    for name in entries:
+        keyring.delete_password("memvault", name)
 
 
 def test_shred_of_a_plain_file_still_refuses(vault_db: Path) -> None:
@@ -286,7 +288,7 @@ def test_shred_refused_by_the_keyring_leaves_no_marker(
     add_items(vault_db, "s", [user("a"), user("b")])
     one_line(run_cli("shred", "--yes", env=FAIL_KEYRING), 4, "keyring")
     assert "shred_started" not in meta(vault_db)
-    assert keyring.get_password("memvault", vault.vault_id)
+    assert keyring.get_password("memvault", key_entry(vault))
     st = run_cli("--json", "status")
     assert st.code == 0 and st.json()["shred_interrupted"] is False, st
     add_items(vault_db, "s", [user("c"), user("d")])
@@ -320,7 +322,7 @@ def test_shred_in_a_read_only_folder_destroys_nothing(vault: Any, vault_db: Path
         assert raw_bytes(vault_db) == before
     finally:
         vault_db.parent.chmod(0o700)
-    assert keyring.get_password("memvault", vault.vault_id)
+    assert keyring.get_password("memvault", key_entry(vault))
     assert "shred_started" not in meta(vault_db)
     assert len(vault.session_ids()) == 1
 

@@ -10,13 +10,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import vault as vault_pkg
-from tests.conftest import ROOT, add_items, assistant, insert_sealed, raw_bytes, rows, run_cli, user
+from tests.conftest import (
+    ROOT,
+    ScriptedCompactor,
+    add_items,
+    assistant,
+    insert_sealed,
+    raw_bytes,
+    rows,
+    run_cli,
+    user,
+)
 from vault import Vault
 from vault.errors import ItemsUnreadable, NotAVault, VaultCorrupt
 
@@ -280,22 +289,6 @@ def test_session_opened_before_shred_fails_and_creates_no_file(
 
 
 # -- 5. the SDK's compaction session wrapped around a vault session --------------
-class _Compactor:
-    """Stands in for the Responses compact endpoint, as ScriptedModel does for the model."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    async def compact(self, **kwargs: Any) -> Any:
-        self.calls.append(kwargs)
-        summary = {
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": "summary", "annotations": []}],
-        }
-        return SimpleNamespace(output=[summary], usage=None)
-
-
 @pytest.mark.parametrize("ttl", ["1h", "never"])
 def test_compaction_session_over_a_vault_session(vault: Any, vault_db: Path, ttl: str) -> None:
     from agents import Agent, Runner
@@ -303,7 +296,7 @@ def test_compaction_session_over_a_vault_session(vault: Any, vault_db: Path, ttl
     from agents.testing import ScriptedModel, assistant_message
 
     assert run_cli("ttl", ttl).code == 0
-    compactor = _Compactor()
+    compactor = ScriptedCompactor()
     snapshots: list[int] = []
 
     async def go() -> list[Any]:
@@ -318,7 +311,7 @@ def test_compaction_session_over_a_vault_session(vault: Any, vault_db: Path, ttl
         session = OpenAIResponsesCompactionSession(
             "s",
             inner,
-            client=SimpleNamespace(responses=compactor),  # type: ignore[arg-type]
+            client=compactor.client,  # type: ignore[arg-type]
             should_trigger_compaction=lambda context: True,
         )
         model = ScriptedModel([[assistant_message("hi there")]])

@@ -14,7 +14,17 @@ from typing import Any
 import keyring
 import pytest
 
-from tests.conftest import ROOT, CLIResult, add_items, raw_bytes, rows, run_cli, user
+from tests.conftest import (
+    ROOT,
+    CLIResult,
+    add_items,
+    key_entry,
+    keyring_entries,
+    raw_bytes,
+    rows,
+    run_cli,
+    user,
+)
 from vault.crypto import generate_key, key_id
 
 
@@ -198,36 +208,36 @@ def test_no_usable_keyring(vault: Any, vault_db: Path, backend: str, needle: str
 
 def test_missing_key_is_never_replaced(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("x")])
-    keyring.delete_password("memvault", vault.vault_id)
+    keyring.delete_password("memvault", key_entry(vault))
     before = snapshot(vault_db)
-    one_line(run_cli("show", "s"), 4, "has no key for vault", "key import")
-    assert keyring.get_password("memvault", vault.vault_id) is None  # no key was invented
+    one_line(run_cli("show", "s"), 4, "has no key", "for vault", "key import")
+    assert keyring_entries(vault.vault_id) == {}  # no key was invented
     assert snapshot(vault_db) == before
 
 
 def test_empty_key_entry(vault: Any, vault_db: Path) -> None:
-    keyring.set_password("memvault", vault.vault_id, "")
+    keyring.set_password("memvault", key_entry(vault), "")
     one_line(run_cli("sessions"), 4, "empty or is not a memvault key")
-    assert keyring.get_password("memvault", vault.vault_id) == ""
+    assert keyring.get_password("memvault", key_entry(vault)) == ""
 
 
 def test_wrong_key(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("x")])
     right = vault.sealer().kid
     other = generate_key()
-    keyring.set_password("memvault", vault.vault_id, other)
+    keyring.set_password("memvault", key_entry(vault), other)
     before = snapshot(vault_db)
     for args in (["show", "s"], ["sessions"], ["purge", "--yes"], ["rotate"]):
         one_line(run_cli(*args, env={}), 4, right, key_id(other))
     assert snapshot(vault_db) == before
-    assert keyring.get_password("memvault", vault.vault_id) == other
+    assert keyring.get_password("memvault", key_entry(vault)) == other
 
 
 def test_wrong_key_through_the_library(vault: Any, vault_db: Path) -> None:
     import vault as vault_pkg
     from vault.errors import KeyMismatch
 
-    keyring.set_password("memvault", vault.vault_id, generate_key())
+    keyring.set_password("memvault", key_entry(vault), generate_key())
     with pytest.raises(KeyMismatch):
         vault_pkg.open_session("s", vault_db)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,13 @@ sys.stderr.write("EXIT:" + str(code) + "\\n")
 """
 
 
-def probe(*args: str) -> tuple[int, list[str]]:
+def probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     proc = subprocess.run(
         [sys.executable, "-c", PROBE.format(args=list(args))],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**os.environ, **(env or {})},
         timeout=60,
     )
     lines = proc.stderr.splitlines()
@@ -55,6 +57,13 @@ def probe(*args: str) -> tuple[int, list[str]]:
         ["rotate"],
         ["clear", "s1", "--yes"],
         ["key", "list"],
+        ["export", "s1", "-o", "-"],
+        ["export", "--all", "--format", "md", "-o", "-"],
+        ["search", "hello"],
+        ["completion", "bash"],
+        ["completion", "zsh"],
+        ["completion", "fish"],
+        ["verify"],
     ],
 )
 def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:
@@ -64,10 +73,31 @@ def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[s
     assert mods == []
 
 
+def test_completing_a_session_id_does_not_import_agents(vault: Any, vault_db: Path) -> None:
+    # What the installed completion script runs at each TAB.
+    add_items(vault_db, "s1", [user("hello")])
+    env = {
+        "_MEMVAULT_COMPLETE": "bash_complete",
+        "COMP_WORDS": "memvault show s",
+        "COMP_CWORD": "2",
+    }
+    code, mods = probe(env=env)
+    assert code == 0
+    assert mods == []
+
+
 def test_shred_does_not_import_agents(vault: Any) -> None:
     code, mods = probe("shred", "--yes")
     assert code == 0
     assert mods == []
+
+
+def test_backup_does_not_import_agents(vault: Any, vault_db: Path, tmp_path: Path) -> None:
+    add_items(vault_db, "s1", [user("hello")])
+    code, mods = probe("backup", str(tmp_path / "backup.db"))
+    assert code == 0
+    assert mods == []
+    assert (tmp_path / "backup.db").exists()
 
 
 def test_probe_detects_an_agents_import(vault: Any) -> None:

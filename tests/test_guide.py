@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, raw_bytes, run_cli
+from tests.conftest import ROOT, keyring_entries, raw_bytes, run_cli
 
 CODE = "ZEPHYR-4821"
 
@@ -73,7 +73,6 @@ def test_offline_model_answers_only_from_history() -> None:
 
 
 def test_demo_command_passes_and_cleans_up(tmp_path: Path) -> None:
-    import keyring
 
     r = run_cli("demo", timeout=600, env={"TMPDIR": str(tmp_path)})
     assert r.code == 0, r
@@ -84,8 +83,7 @@ def test_demo_command_passes_and_cleans_up(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("memvault-demo-*"))
     ids = re.findall(r"throwaway vault .*, id (mv-[0-9a-f]+)", r.out)
     assert len(ids) == 1, r.out
-    assert keyring.get_password("memvault", ids[0]) is None
-    assert keyring.get_password("memvault", ids[0] + ".next") is None
+    assert keyring_entries(ids[0]) == {}
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 import keyring
 import pytest
 
-from tests.conftest import ROOT, CLIResult, add_items, raw_bytes, user
+from tests.conftest import ROOT, CLIResult, add_items, key_entry, keyring_entries, raw_bytes, user
 
 PLAINTEXT = "keyrings.alt.file.PlaintextKeyring"
 
@@ -78,6 +78,7 @@ def test_no_dbus_session_says_what_is_missing_and_how_to_start_one(
             "DBUS_SESSION_BUS_ADDRESS is not set",
             "dbus-run-session",
             "gnome-keyring-daemon --unlock",
+            'README.md, "On a server or over SSH"',
         )
     new = tmp_path / "new" / "h.db"
     one_line(run("--db", str(new), "init", unset=("DBUS_SESSION_BUS_ADDRESS",)), 4, "D-Bus")
@@ -168,7 +169,7 @@ def test_an_existing_vault_is_not_opened_through_the_plaintext_backend(
             "-c",
             textwrap.dedent(f"""
             import keyring
-            keyring.set_password("memvault", {vault.vault_id!r}, {vault.sealer().master_key!r})
+            keyring.set_password("memvault", {key_entry(vault)!r}, {vault.sealer().master_key!r})
         """),
         ],
         env={**os.environ, **env},
@@ -246,10 +247,10 @@ def test_a_chain_keeps_the_key_only_in_the_backends_that_protect_it(
     assert made["keyring"] == (
         "keyring.backends.chainer.ChainerBackend(keyring.backends.SecretService.Keyring)"
     )
-    assert keyring.get_password("memvault", made["vault_id"])
+    assert keyring.get_password("memvault", f"{made['vault_id']}/{made['kid']}")
     assert files_under(home) == []
     assert run("shred", "--yes", set_env=env).code == 0
-    assert keyring.get_password("memvault", made["vault_id"]) is None
+    assert keyring_entries(made["vault_id"]) == {}
 
 
 # -- A keyring that stops answering --------------------------------------------

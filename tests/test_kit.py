@@ -47,11 +47,19 @@ def one_line_error(r: Any) -> str:
 
 
 def export(kit: Path, *args: str, passphrase: str = PASS) -> Any:
-    return run_cli(*args, "key", "export", str(kit), input=passphrase + "\n")
+    return run_cli(*args, "key", "export", "--passphrase-stdin", str(kit), input=passphrase + "\n")
 
 
 def import_(kit: Path, *args: str, passphrase: str = PASS, extra: str = "") -> Any:
-    return run_cli(*args, "key", "import", str(kit), input=passphrase + "\n" + extra)
+    if not extra:
+        return run_cli(
+            *args, "key", "import", "--passphrase-stdin", str(kit), input=passphrase + "\n"
+        )
+    # Answers to questions on stdin: the passphrase comes from a file instead.
+    pw = kit.with_name(kit.name + ".pass")
+    pw.write_text(passphrase + "\n")
+    pw.chmod(0o600)
+    return run_cli(*args, "key", "import", "--passphrase-file", str(pw), str(kit), input=extra)
 
 
 def copy_vault(src: Path, dest: Path) -> None:
@@ -265,7 +273,7 @@ def test_import_replaces_a_damaged_entry_of_its_key(
     assert "aborted" in r.err
     assert vault.keystore.get(key_entry(vault)) == stranger
 
-    r = run_cli("key", "import", str(kit), "--yes", input=PASS + "\n")
+    r = run_cli("key", "import", str(kit), "--yes", "--passphrase-stdin", input=PASS + "\n")
     assert r.code == 0, r
     assert "replaced key " + crypto.key_id(stranger) in r.out
     assert vault.keystore.get(key_entry(vault)) == key
@@ -292,7 +300,7 @@ def test_export_refusals(vault: Any, tmp_path: Path) -> None:
     assert r.code == 0 and "shorter than" in r.err
 
     kit.chmod(0o644)
-    r = run_cli("key", "export", str(kit), "--force", input=PASS + "\n")
+    r = run_cli("key", "export", str(kit), "--force", "--passphrase-stdin", input=PASS + "\n")
     assert r.code == 0, r
     assert stat.S_IMODE(kit.stat().st_mode) == 0o600
     assert json.loads(kit.read_text())["vault_id"] == vault.vault_id

@@ -58,7 +58,14 @@ def test_key_import_of_a_fifo_is_refused_at_once(cli: Any, tmp_path: Path) -> No
     fifo = tmp_path / "kit.json"
     os.mkfifo(fifo)
 
-    r = cli("key", "import", str(fifo), input="correct horse battery staple\n", timeout=60)
+    r = cli(
+        "key",
+        "import",
+        "--passphrase-stdin",
+        str(fifo),
+        input="correct horse battery staple\n",
+        timeout=60,
+    )
 
     assert r.code == 2, r
     assert "FIFO" in r.err and len(r.err.strip().splitlines()) == 1
@@ -70,7 +77,14 @@ def test_key_export_force_never_replaces_a_fifo_or_device(cli: Any, tmp_path: Pa
     fifo = tmp_path / "kit.json"
     os.mkfifo(fifo)
 
-    r = cli("key", "export", "--force", str(fifo), input="correct horse battery staple\n")
+    r = cli(
+        "key",
+        "export",
+        "--force",
+        "--passphrase-stdin",
+        str(fifo),
+        input="correct horse battery staple\n",
+    )
 
     assert r.code == 2, r
     assert "FIFO" in r.err and len(r.err.strip().splitlines()) == 1

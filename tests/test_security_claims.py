@@ -15,7 +15,16 @@ import keyring
 from agents import SQLiteSession
 
 import vault as vault_pkg
-from tests.conftest import ROOT, add_items, authenticated_counts, raw_bytes, run_cli, user
+from tests.conftest import (
+    ROOT,
+    add_items,
+    authenticated_counts,
+    key_entry,
+    keyring_entries,
+    raw_bytes,
+    run_cli,
+    user,
+)
 from vault import crypto
 
 
@@ -25,7 +34,7 @@ def test_a_copy_of_the_file_holds_no_plaintext_and_no_key(
     add_items(vault_db, "s", [user("BACKUP-CANARY-7731")])
     copy = tmp_path / "backup.db"
     shutil.copy(vault_db, copy)
-    key = keyring.get_password("memvault", vault.vault_id)
+    key = keyring.get_password("memvault", key_entry(vault))
     assert key
     assert b"BACKUP-CANARY" not in copy.read_bytes()
     assert key.encode() not in copy.read_bytes()
@@ -46,14 +55,14 @@ def test_any_process_of_the_user_can_read_the_key_while_the_keyring_is_unlocked(
         [
             sys.executable,
             "-c",
-            f"import keyring; print(keyring.get_password('memvault', {vault.vault_id!r}))",
+            f"import keyring; print(keyring.get_password('memvault', {key_entry(vault)!r}))",
         ],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=60,
     )
-    assert proc.stdout.strip() == keyring.get_password("memvault", vault.vault_id)
+    assert proc.stdout.strip() == keyring.get_password("memvault", key_entry(vault))
 
 
 def test_the_file_reveals_session_ids_counts_sizes_and_timestamps(
@@ -79,7 +88,7 @@ def test_destroying_the_key_makes_every_copy_unreadable(
     copy = tmp_path / "copy-taken-before.db"
     shutil.copy(vault_db, copy)
     assert run_cli("revoke", "--yes").code == 0
-    assert keyring.get_password("memvault", vault.vault_id) is None
+    assert keyring_entries(vault.vault_id) == {}
     r = run_cli("--db", str(copy), "show", "s")
     assert r.code == 4 and "no key" in r.err
 
@@ -88,7 +97,7 @@ def test_rotation_does_not_protect_old_copies_from_the_old_key(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
     add_items(vault_db, "s", [user("rotated away")])
-    old_key = keyring.get_password("memvault", vault.vault_id)
+    old_key = keyring.get_password("memvault", key_entry(vault))
     assert old_key
     copy = tmp_path / "before-rotation.db"
     shutil.copy(vault_db, copy)
@@ -106,7 +115,7 @@ def test_rotation_does_not_protect_old_copies_from_the_old_key(
 
 def test_no_output_or_error_ever_contains_the_key(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("x")])
-    key = keyring.get_password("memvault", vault.vault_id)
+    key = keyring.get_password("memvault", key_entry(vault))
     assert key
     outputs = [
         run_cli(*a)
@@ -118,7 +127,7 @@ def test_no_output_or_error_ever_contains_the_key(vault: Any, vault_db: Path) ->
             ["--json", "rotate"],
         )
     ]
-    key = keyring.get_password("memvault", vault.vault_id)  # the rotated one
+    key = keyring.get_password("memvault", key_entry(vault))  # the rotated one
     assert key
     outputs += [run_cli("--json", "status"), run_cli("init")]
     for r in outputs:

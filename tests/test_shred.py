@@ -11,7 +11,7 @@ from typing import Any
 import keyring
 import pytest
 
-from tests.conftest import add_items, raw_bytes, run_cli, user
+from tests.conftest import add_items, key_entry, raw_bytes, run_cli, user
 
 FILES = ("", "-wal", "-shm", "-journal")
 
@@ -41,7 +41,7 @@ def test_shred_refuses_while_another_process_uses_the_vault(vault: Any, vault_db
         r = run_cli("shred", "--yes")
         assert r.code == 5, r
         assert "in use by another process" in r.err and len(r.err.strip().splitlines()) == 1
-        assert keyring.get_password("memvault", vault.vault_id)  # key not destroyed
+        assert keyring.get_password("memvault", key_entry(vault))  # key not destroyed
         assert raw_bytes(vault_db) == before
     finally:
         holder.kill()
@@ -60,7 +60,7 @@ def test_shred_works_after_revoke_and_without_the_key(vault: Any, vault_db: Path
 
 def test_shred_with_keyring_entry_already_gone(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("x")])
-    keyring.delete_password("memvault", vault.vault_id)
+    keyring.delete_password("memvault", key_entry(vault))
     r = run_cli("--json", "shred", "--yes")
     assert r.code == 0, r
     assert r.json()["items"] == 1 and gone(vault_db)

@@ -148,3 +148,19 @@ def test_a_move_killed_at_any_step_leaves_a_vault_that_opens(
     assert (st["key"], st["items"]) == ("present and matching", total), st
     assert authenticated_counts(db) == (total, 0, 0)
     assert_moved(db, vault_id, key)
+
+
+@pytest.mark.parametrize("old_vault", [""], indirect=True, ids=["settled"])
+def test_a_dead_rotations_pending_key_goes_with_the_move(
+    old_vault: tuple[Path, Any], request: pytest.FixtureRequest
+) -> None:
+    """0.1.0 left `.next` behind when a rotation died before its commit: no row uses it."""
+    db, _ = old_vault
+    entries = json.loads((FIXTURES / "keyring.json").read_text())
+    vault_id = vault_id_of(entries)
+    KeyStore().set(vault_id + ".next", crypto.generate_key())
+    assert len(keyring_entries(vault_id)) == 2
+
+    r = run_cli("--db", str(db), "--json", "status")
+    assert r.code == 0 and r.json()["key"] == "present and matching", r
+    assert_moved(db, vault_id, entries[vault_id])

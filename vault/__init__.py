@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import VaultError
 from .store import Vault
 
 if TYPE_CHECKING:
+    from agents import SessionSettings
+
     from .session import VaultSession
 
 __all__ = ["Vault", "VaultError", "open_session", "__version__"]
@@ -28,12 +30,19 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 
-def open_session(session_id: str, db_path: str | os.PathLike[str] | None = None) -> VaultSession:
+def open_session(
+    session_id: str,
+    db_path: str | os.PathLike[str] | None = None,
+    *,
+    session_settings: SessionSettings | dict[str, Any] | None = None,
+) -> VaultSession:
     """An `EncryptedSession` over `SQLiteSession` on the vault file, TTL from the vault.
 
     The vault must exist (`memvault init`); its key comes from the OS keyring and
     is checked against the file before anything is read or written.
+    `session_settings` (e.g. `SessionSettings(limit=20)`) is passed to the
+    `SQLiteSession` underneath, as `SQLiteSession(..., session_settings=...)` takes it.
     """
-    from .session import make_session
+    from .session import VaultSession
 
-    return make_session(Vault.open(db_path), session_id)
+    return VaultSession(Vault.open(db_path), session_id, session_settings=session_settings)

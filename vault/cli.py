@@ -5,9 +5,9 @@ single place that maps a `VaultError` (or a Click usage error) to one line on
 stderr and its exit code. This module holds the group, that mapping, the shared
 options and the output helpers; the commands live in `cli_history` (the history
 and its TTL), `cli_admin` (purge, rotate, revoke, shred), `cli_keys` (the
-recovery kit) and `cli_agent` (import, demo, chat), each registering itself on
-`cli` when imported at the end of this module. The Agents SDK is imported only
-by `demo` and `chat`.
+recovery kit), `cli_agent` (import, demo, chat) and `cli_shell` (completion),
+each registering itself on `cli` when imported at the end of this module. The
+Agents SDK is imported only by `demo` and `chat`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from . import __version__, durations
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, Interrupted, VaultBusy, VaultError
 from .store import Progress, Vault, lock_timeout
+
+if TYPE_CHECKING:
+    from click.shell_completion import CompletionItem
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,8 +79,32 @@ class SessionId(click.ParamType):  # type: ignore[type-arg]
                 )
         return value
 
+    def shell_complete(
+        self, ctx: click.Context, param: click.Parameter, incomplete: str
+    ) -> list[CompletionItem]:
+        # Session ids are plaintext in the file: no key, no keyring, no agents import.
+        from .cli_shell import complete_session_ids
+
+        st = ctx.find_object(State)
+        return complete_session_ids(st.db if st else None, incomplete)
+
 
 SESSION = SessionId()
+
+
+class PathArg(click.Path):
+    """A file path: click.Path's shell completion, none of its checks.
+
+    The library checks every path itself, with its own messages and exit codes
+    (a FIFO, a link, a non-UTF-8 name...); click.Path's own checks would answer
+    first, differently, and crash on a path `os.stat` cannot take.
+    """
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value
+
+
+PATH = PathArg()
 
 
 def _remember_db(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
@@ -103,6 +130,7 @@ def common(fn: F) -> F:
     fn = click.option(
         "--db",
         metavar="PATH",
+        type=PATH,
         expose_value=False,
         callback=_remember_db,
         help="Vault file (default: $MEMVAULT_DB, else the platformdirs data folder).",
@@ -297,4 +325,4 @@ def main() -> None:
 
 
 # The commands register themselves on `cli`; imported last, since they import it from here.
-from . import cli_admin, cli_agent, cli_history, cli_keys  # noqa: E402, F401
+from . import cli_admin, cli_agent, cli_care, cli_data, cli_history, cli_keys, cli_shell  # noqa: E402, F401

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from .cli import (
+    PATH,
     check_scrub,
     cli,
     common,
@@ -114,14 +115,15 @@ def revoke(yes: bool) -> None:
         if r["already_revoked"]:
             finished = ""
             if r["key_destroyed"]:
-                finished = f"; destroyed {_kids(r)} that a cut-off revoke had left"
+                finished = f"; destroyed what a cut-off revoke had left (key {_kids(r)})"
             click.echo(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
                 "`memvault shred` removes the file"
             )
             return
         click.echo(
-            f"revoked vault {r['vault_id']}: destroyed {_kids(r)}; the file stays, unreadable; "
+            f"revoked key {r['kid']} of vault {r['vault_id']} (destroyed: {_kids(r)}); the file "
+            "stays, unreadable; "
             "`memvault shred` removes it; recovery kits are useless now"
         )
 
@@ -133,6 +135,7 @@ def revoke(yes: bool) -> None:
 @click.option(
     "--receipt",
     metavar="FILE",
+    type=PATH,
     help="Write a JSON record of what was destroyed to FILE, a new file (mode 0600).",
 )
 @common
@@ -194,10 +197,10 @@ def _shred_summary(r: dict[str, Any]) -> str:
         counts = "damaged file, contents not counted"
     else:
         counts = f"{r['items']} item(s) in {r['sessions']} session(s)"
-    key = f"destroyed: {_kids(r)}" if r.get("key_destroyed") else "already gone"
+    key = f"destroyed ({_kids(r)})" if r.get("key_destroyed") else "already gone"
     if r.get("key_problem"):
         key = f"not destroyed: {r['key_problem']}"
-    return f"shredded {r['path']}: {counts}; keys {key}; files " + ", ".join(
+    return f"shredded {r['path']}: {counts}; key {key}; files " + ", ".join(
         one(f) for f in r["files"]
     )
 
@@ -205,10 +208,8 @@ def _shred_summary(r: dict[str, Any]) -> str:
 def _kids(r: dict[str, Any]) -> str:
     """The key versions a revoke or shred destroyed, naming those of other copies."""
     kids = r.get("destroyed_kids") or []
-    if not kids:
-        return "no key (none was left)"
-    text = ("key " if len(kids) == 1 else "keys ") + ", ".join(kids)
+    text = ", ".join(kids) or "none left"
     others = r.get("other_copies_kids") or []
     if others:
-        text += f" ({', '.join(others)} still opened another copy of this vault)"
+        text += f"; {', '.join(others)} still opened another copy of this vault"
     return text

@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from .cli import (
+    PATH,
     SESSION,
     cli,
     common,
@@ -48,7 +49,7 @@ def demo(keep: bool) -> None:
 
 
 @cli.command("import")
-@click.argument("plain_db", metavar="PLAIN_DB")
+@click.argument("plain_db", metavar="PLAIN_DB", type=PATH)
 @click.option(
     "--session", "session_id", metavar="ID", type=SESSION, help="Import only this session."
 )

@@ -15,16 +15,34 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from .errors import BadInput, NotAVault
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in after lstat must not block us
-# Flags for opening a name that `lstat` said is a regular file.
-NO_FOLLOW = _NOFOLLOW | _NONBLOCK
+# Flags for opening a name that `lstat` said is a regular file. O_NOFOLLOW is POSIX
+# only (not on Windows): every open below also checks with lstat first.
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | _NONBLOCK
+
+
+def _nofollow() -> int:
+    """O_NOFOLLOW where the platform has it, else 0 (looked up at each call)."""
+    return getattr(os, "O_NOFOLLOW", 0)
+
+
+def _chmod_private(fd: int, path: str | os.PathLike[str]) -> None:
+    """Mode 0600 whatever the umask did: by descriptor where os.fchmod exists, else by
+    path (Windows before Python 3.13, where chmod only sets the read-only flag: the
+    folder's ACL is what keeps others out, see SECURITY.md)."""
+    fchmod = getattr(os, "fchmod", None)
+    if fchmod is not None:
+        fchmod(fd, 0o600)
+    else:
+        os.chmod(path, 0o600)
+
+
 # Told how much more work is done (bytes overwritten, rows rewritten): drives progress bars.
 Progress = Callable[[int], None]
 
@@ -105,10 +123,15 @@ def odd_entries(paths: list[Path]) -> list[tuple[Path, str]]:
     return out
 
 
-def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
+def check_new_file(
+    path: str | os.PathLike[str], what: str, force_flag: str | None = None, replace: bool = False
+) -> Path:
     """Refuse (exit 2) a path where `write_private` could not create a new file.
 
-    Run before anything irreversible, so that a bad path costs nothing.
+    Run before anything irreversible, so that a bad path costs nothing. A command
+    that can replace an existing regular file names its option in `force_flag`
+    (said in the refusal) and passes `replace` when it was given; a link, FIFO,
+    device or folder is refused all the same.
     """
     if str(path) == "":
         raise BadInput(f"the {what} path is empty (an unset shell variable?); give a file name")
@@ -119,7 +142,12 @@ def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
         mode = None
     except OSError as exc:
         raise BadInput(f"cannot use {target} for the {what} ({exc.strerror})") from None
-    if mode is not None:
+    if mode is not None and not (stat.S_ISREG(mode) and replace and force_flag is not None):
+        if stat.S_ISREG(mode) and force_flag is not None:
+            raise BadInput(
+                f"{target} already exists; give a new file name for the {what}, or pass "
+                f"{force_flag} to replace it"
+            )
         if stat.S_ISREG(mode):
             raise BadInput(
                 f"{target} already exists; an existing file is never replaced; give a new "
@@ -136,14 +164,21 @@ def check_new_file(path: str | os.PathLike[str], what: str) -> Path:
     return target
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _write_all(fd: int, data: bytes | Iterable[bytes]) -> None:
+    for chunk in [data] if isinstance(data, bytes) else data:
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
 
 
-def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = False) -> Path:
+def write_private(
+    path: str | os.PathLike[str], data: bytes | Iterable[bytes], replace: bool = False
+) -> Path:
     """Create `path` 0600 holding `data`, fsynced, folder fsynced.
+
+    `data` may be an iterable of chunks, written as they come (an export streams
+    through here); if it raises, the new file is removed and, with `replace`, the
+    old one is left as it was.
 
     Without `replace`, a new file only (O_CREAT | O_EXCL | O_NOFOLLOW): an existing
     name, link or not, raises FileExistsError. With `replace`, a new 0600 file in the
@@ -155,7 +190,7 @@ def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = Fal
     if replace:
         fd, tmp = tempfile.mkstemp(prefix=".memvault-", dir=folder)
         try:
-            os.fchmod(fd, 0o600)
+            _chmod_private(fd, tmp)
             _write_all(fd, data)
             os.fsync(fd)
             os.close(fd)
@@ -168,9 +203,14 @@ def write_private(path: str | os.PathLike[str], data: bytes, replace: bool = Fal
                 os.unlink(tmp)
             raise
     else:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        if not _nofollow() and os.path.lexists(target):
+            # O_CREAT | O_EXCL alone already refuses any existing name, a link included
+            # (POSIX; CREATE_NEW on Windows): this check only names the case early.
+            raise FileExistsError(errno.EEXIST, "the name exists", str(target))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _nofollow() | getattr(os, "O_BINARY", 0)
+        fd = os.open(target, flags, 0o600)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask did
+            _chmod_private(fd, target)
             _write_all(fd, data)
             os.fsync(fd)
         except BaseException:
@@ -195,7 +235,11 @@ def overwrite(path: Path, header: bytes = b"", progress: Progress | None = None)
         return None
     if not stat.S_ISREG(before.st_mode):
         return None
-    fd = os.open(path, os.O_RDWR | _NOFOLLOW | _NONBLOCK)
+    # Without O_NOFOLLOW (Windows) a link swapped in after the lstat would be followed:
+    # the fstat identity check below then refuses to write (the target is another
+    # file), so the one race left is the open itself (no FIFO or device exists there
+    # to be opened by accident; O_NONBLOCK keeps a FIFO from blocking elsewhere).
+    fd = os.open(path, os.O_RDWR | _nofollow() | _NONBLOCK | getattr(os, "O_BINARY", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (

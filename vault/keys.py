@@ -62,8 +62,9 @@ _FILE_REASON = (
 _CHAINER = "keyring.backends.chainer"
 _SECRET_SERVICE_FIX = (
     "run memvault in a desktop session with an unlocked keyring, or (on a server or over "
-    "SSH) start one first: `dbus-run-session -- sh -c 'gnome-keyring-daemon --unlock "
-    "--components=secrets <PASSWORD_FILE; memvault ...'`"
+    "SSH) through the memvault-headless script, which starts a private one with "
+    "`dbus-run-session` and `gnome-keyring-daemon --unlock` from a passphrase file: see "
+    'README.md, "On a server or over SSH"'
 )
 
 
@@ -321,7 +322,7 @@ class KeyStore:
     # One named entry -----------------------------------------------------
     def get(self, name: str) -> str | None:
         """The entry's secret, or None when there is none."""
-        value = self._read("read a key", name)
+        value = self._read("read the vault key", name)
         return value if isinstance(value, str) else None
 
     def _read(self, what: str, name: str) -> Any:

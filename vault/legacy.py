@@ -67,12 +67,15 @@ def upgrade(vault: KeyLifecycle, meta: dict[str, str]) -> str | None:
                 keyjournal.record(conn, old, DESTROYED, "")
             keyjournal.record(conn, kid, CURRENT, now.get("rotated_at", ""))
             ours = []
-            for name, value in ((vault_id, current), (vault_id + ".next", pending)):
-                # Another copy's key under the old shared name stays for that copy.
-                if value is not None and (
-                    not crypto.is_valid_key(value) or crypto.key_id(value) in history
-                ):
-                    ours.append(name)
+            # `.next` goes whatever it holds: this file's key (copied above), or a dead
+            # rotation's, since 0.1.0 stored it only under the write lock we hold now.
+            if pending is not None:
+                ours.append(vault_id + ".next")
+            # Another copy's key under the old shared name stays for that copy.
+            if current is not None and (
+                not crypto.is_valid_key(current) or crypto.key_id(current) in history
+            ):
+                ours.insert(0, vault_id)
             set_meta(conn, format=FORMAT, **{keyjournal.LEGACY_MARK: json.dumps(ours)})
             audit(conn, "upgrade", kid, keyring="one entry per key version")
             conn.execute("COMMIT")

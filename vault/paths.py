@@ -15,9 +15,19 @@ SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 
 
 def default_db_path() -> Path:
+    """`<user data folder>/memvault/history.db`.
+
+    appauthor=False: on Windows platformdirs would otherwise nest the app under an
+    "author" folder of the same name (`%LOCALAPPDATA%\\memvault\\memvault`); other
+    platforms ignore it. A vault already at that older Windows place is still used.
+    """
     import platformdirs  # imported here: only needed when nothing else names the file
 
-    return Path(platformdirs.user_data_path(APP_NAME)) / DB_NAME
+    chosen = Path(platformdirs.user_data_path(APP_NAME, appauthor=False)) / DB_NAME
+    older = Path(platformdirs.user_data_path(APP_NAME)) / DB_NAME
+    if older != chosen and not os.path.lexists(chosen) and os.path.lexists(older):
+        return older
+    return chosen
 
 
 def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:

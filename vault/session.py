@@ -2,6 +2,45 @@
 
 This is the only module that imports `agents` (about 2 s), and only when an
 agent session is actually opened.
+
+SDK internals this module relies on (all private or undocumented, as of
+openai-agents 0.24). tests/test_compat.py checks each one's signature and
+behaviour, and that this list names every one the code here touches, so raising
+the `openai-agents` pin in pyproject.toml is a deliberate step:
+
+- `SQLiteSession._configure_connection(conn)`: static hook the SDK calls on every
+  connection it opens; overridden to add the vault's pragmas, then chained.
+- `SQLiteSession._init_db_for_connection(conn)`: the SDK's schema creation at
+  construction; overridden so a session never creates tables in a file.
+- `SQLiteSession._get_connection()`: where every SDK read and write gets its
+  thread's connection; overridden to open it mode=rw and notice changed files.
+- `SQLiteSession._check_not_closed()`: called first, as the SDK's own does.
+- `SQLiteSession._local`, `SQLiteSession._connections`,
+  `SQLiteSession._connection_owners`, `SQLiteSession._connections_lock`,
+  `SQLiteSession._close_connections_from_exited_threads()`: the SDK's per-thread
+  connection registry, kept by our `_get_connection` as the SDK's own keeps it,
+  so that `close()` closes every connection.
+- `SQLiteSession._pop_item_with_validation(validate)`: EncryptedSession.pop_item
+  authenticates inside the delete's transaction through it (only while our
+  subclass keeps the SDK's `pop_item`); overridden to note that a row went.
+- `SQLiteSession._get_compaction_snapshot(limit, *, prune_prefix)`: None for a
+  subclass, so `OpenAIResponsesCompactionSession` replaces history through our
+  `clear_session`/`add_items` (audited, scrubbed), never in raw SQL.
+- `EncryptedSession.cipher`: the per-session Fernet that seals and opens; set
+  from the vault's key, and again after a rotation.
+- `EncryptedSession._kid`: the `kid` written into every envelope; set to the
+  vault's key id, which the file's triggers require.
+- `EncryptedSession._unwrap(item)`: opens one envelope; overridden to reload the
+  key when an envelope is under a newer key id.
+- `EncryptedSession._get_compaction_snapshot(limit)`: what the compaction wrapper
+  reads; it computes `now - ttl`, so it is overridden for a vault that never
+  expires.
+- `EncryptedSession.ttl`: read on every call; `None` (never) goes to Fernet as
+  no TTL, and a TTL changed by another process is set here.
+- `EncryptedSession.get_items(limit, *, wrapper)`, `EncryptedSession.add_items(items,
+  *, wrapper)`, `EncryptedSession.pop_item(*, wrapper)`,
+  `EncryptedSession.clear_session(*, wrapper)`: overridden; the Runner passes its
+  context as `wrapper` only to methods that take a keyword of that name.
 """
 
 from __future__ import annotations
@@ -15,7 +54,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from agents import SQLiteSession
+from agents import SessionSettings, SQLiteSession
 from agents.extensions.memory import EncryptedSession
 from cryptography.fernet import InvalidToken
 
@@ -37,14 +76,19 @@ class VaultSQLiteSession(SQLiteSession):
     """SQLiteSession whose connections wait for rotations, zero what they delete,
     never create a file, and notice when another connection changed the file."""
 
-    def __init__(self, session_id: str, db_path: Path) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        db_path: Path,
+        session_settings: SessionSettings | dict[str, Any] | None = None,
+    ) -> None:
         self._vault_path = db_path
         self._identity = self._stat_identity()
         # Called with a connection when the file changed since that connection last looked.
         self.on_change: Callable[[sqlite3.Connection], None] | None = None
         self._versions: dict[sqlite3.Connection, int] = {}
         self.deleted = False  # set by a pop that removed a row, for the scrub
-        super().__init__(session_id, db_path)
+        super().__init__(session_id, db_path, session_settings=session_settings)
 
     @staticmethod
     def _configure_connection(conn: sqlite3.Connection) -> None:
@@ -127,11 +171,17 @@ class VaultSession(EncryptedSession):
     A TTL changed by another process applies from the session's next call.
     """
 
-    def __init__(self, vault: Vault, session_id: str) -> None:
+    def __init__(
+        self,
+        vault: Vault,
+        session_id: str,
+        *,
+        session_settings: SessionSettings | dict[str, Any] | None = None,
+    ) -> None:
         sealer = vault.sealer()
         self._vault = vault
         self._db_path: Path = vault.path
-        underlying = VaultSQLiteSession(session_id, vault.path)
+        underlying = VaultSQLiteSession(session_id, vault.path, session_settings)
         super().__init__(
             session_id=session_id,
             underlying_session=underlying,
@@ -254,7 +304,3 @@ class VaultSession(EncryptedSession):
 
     def close(self) -> None:
         self.underlying_session.close()  # type: ignore[attr-defined]
-
-
-def make_session(vault: Vault, session_id: str) -> VaultSession:
-    return VaultSession(vault, session_id)

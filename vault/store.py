@@ -20,7 +20,7 @@ import os
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from . import crypto, durations, files, keyjournal, paths, testhooks
@@ -302,6 +302,31 @@ class Vault(KeyLifecycle):
 
         With `limit`, the newest `limit` stored rows are considered, as the SDK does.
         """
+        out: list[Any] = []
+        expired = unreadable = 0
+        for opened in self.opened_items(session_id, limit, now):
+            if opened.state is crypto.ItemState.READABLE:
+                out.append(opened.item)
+            elif opened.state is crypto.ItemState.EXPIRED:
+                expired += 1
+            else:
+                unreadable += 1
+        return out, expired, unreadable
+
+    def opened_items(
+        self,
+        session_id: str,
+        limit: int | None = None,
+        now: int | None = None,
+        include_expired: bool = False,
+    ) -> Iterator[crypto.Opened]:
+        """Every stored row of the session, oldest first, as an `Opened` (state, item, timestamp).
+
+        The rows are read in one snapshot before this returns (UnknownSession and key
+        errors are raised here); each is decrypted only when the iterator reaches it,
+        so a caller streaming a long session holds one plaintext item at a time. With
+        `include_expired`, an expired item is decrypted too and keeps its EXPIRED state.
+        """
         if limit is not None and limit <= 0:
             raise OperationFailed("limit must be a positive number of items")
 
@@ -317,17 +342,17 @@ class Vault(KeyLifecycle):
             return sealer, ttl, [r[0] for r in conn.execute(sql, args)][::-1]
 
         sealer, ttl, rows = self._snapshot(read)
-        out: list[Any] = []
-        expired = unreadable = 0
-        for data in rows:
-            opened = sealer.open(session_id, data, ttl, now)
-            if opened.state is crypto.ItemState.READABLE:
-                out.append(opened.item)
-            elif opened.state is crypto.ItemState.EXPIRED:
-                expired += 1
-            else:
-                unreadable += 1
-        return out, expired, unreadable
+
+        def opened() -> Iterator[crypto.Opened]:
+            for data in rows:
+                item = sealer.open(session_id, data, ttl, now)
+                if include_expired and item.state is crypto.ItemState.EXPIRED:
+                    item = sealer.open(session_id, data, None)  # authenticated, TTL not applied
+                    if item.state is crypto.ItemState.READABLE:
+                        item = crypto.Opened(crypto.ItemState.EXPIRED, item.item, item.timestamp)
+                yield item
+
+        return opened()
 
     def status(self, now: int | None = None) -> dict[str, Any]:
         """What `memvault status` shows; its counts are `sessions()`'s, unverified."""
@@ -503,8 +528,9 @@ class Vault(KeyLifecycle):
         return shred(self.path, self._keystore, progress)
 
     # -- agent sessions -------------------------------------------------
-    def session(self, session_id: str) -> Any:
-        """An `EncryptedSession` over this vault (imports the Agents SDK)."""
-        from .session import make_session
+    def session(self, session_id: str, *, session_settings: Any = None) -> Any:
+        """An `EncryptedSession` over this vault (imports the Agents SDK); `session_settings`
+        as `open_session` takes it."""
+        from .session import VaultSession
 
-        return make_session(self, session_id)
+        return VaultSession(self, session_id, session_settings=session_settings)

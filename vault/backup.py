@@ -1,0 +1,254 @@
+"""`backup`: a consistent, compact copy of a vault, taken while agents may be writing.
+
+The copy is made by SQLite's `VACUUM INTO`, which reads one snapshot of the
+database (WAL included) and writes only live rows into fresh pages. A file copy
+could miss the WAL or catch a half-written page; SQLite's backup API copies
+free pages, which may still hold ciphertext deleted without `secure_delete`.
+`VACUUM INTO` has neither problem, so the copy never carries residue of items
+deleted before the backup.
+
+The copy keeps the vault id and the key id: it opens with the same keyring
+key, and no key is ever copied. A vault whose key is missing (new keyring, lost
+entry) is still backed up, since a recovery kit may hold its key; the result
+says so. A revoked vault is refused: nothing can ever read its copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import stat
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import files, paths, testhooks
+from .db import connect, is_busy, is_damage, sqlite_errors
+from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
+from .schema import MESSAGES_TABLE, SESSIONS_TABLE
+from .store import Vault
+
+KEY_OK = "present and matching"
+KEY_UNUSABLE = "unusable"
+
+
+@dataclass
+class BackupResult:
+    """What `backup` wrote: the copy, what it holds, and whether the keyring opens it."""
+
+    path: str
+    source: str
+    vault_id: str
+    kid: str
+    sessions: int
+    items: int
+    size: int
+    mode: str
+    key: str  # KEY_OK, or KEY_UNUSABLE with key_problem saying why
+    key_problem: str | None = None
+    restore: list[str] = field(default_factory=list)
+    audited: bool = True  # False: made, but the audit event could not be written
+
+    @property
+    def key_ok(self) -> bool:
+        return self.key == KEY_OK
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_destination(dest: str | os.PathLike[str]) -> Path:
+    """Refuse (exit 2) a DEST that exists in any form, or whose side files exist.
+
+    SQLite would write through a `-wal` or `-journal` link left beside DEST.
+    """
+    # SQLite takes the name as text: bytes that are not UTF-8 are refused up front.
+    paths.require_text_path(dest, "the backup path")
+    target = files.check_new_file(dest, "backup")
+    for side in paths.sidecars(target)[1:]:
+        if os.path.lexists(side):
+            raise BadInput(
+                f"{side} already exists beside the backup's name; SQLite would use it; "
+                "move it away or choose another name for the backup; nothing was written"
+            )
+    return target
+
+
+def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
+    """How to bring the backup back on another machine: the copy plus a recovery kit."""
+    kit = (
+        f"memvault key export kit.json  # here: a recovery kit for key {kid}, kept apart"
+        if key_ok
+        else f"# the keyring here has no usable key: use a recovery kit made for key {kid}"
+    )
+    return [
+        kit,
+        f"memvault --db FILE key import kit.json  # there, with {dest.name} copied to FILE",
+        "memvault --db FILE verify",
+    ]
+
+
+def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
+    """Write a consistent copy of `vault` to the new file `dest` (0600).
+
+    Raises BadInput for an unusable `dest`, KeyRevoked for a revoked vault,
+    OperationFailed when the copy cannot be written (the partial file is removed).
+    """
+    meta = vault.meta()
+    if "revoked_at" in meta:
+        raise KeyRevoked(
+            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; a "
+            "backup could never be read; nothing was written"
+        )
+    if "shred_started" in meta:
+        raise OperationFailed(
+            f"a shred of {vault.path} was interrupted; run `memvault shred` again to finish "
+            "it; nothing was written"
+        )
+    target = check_destination(dest)
+    kid, vault_id, sessions, items = _copy(vault, target)
+    testhooks.failpoint("backup-copied")
+    # The key is checked, not needed: a copy of a vault whose key is missing is still
+    # worth having (a recovery kit may hold the key). Checked after the copy, against
+    # the copy's kid, so a rotation committed during the backup is noticed (and a
+    # rotation cut off before its key was promoted is finished by `sealer`).
+    key_problem: str | None = None
+    try:
+        key_kid = vault.sealer(refresh=True).kid
+    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
+        key_problem = exc.message
+    else:
+        if key_kid != kid:
+            key_problem = (
+                f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
+                f"open the copy (key {kid}); run `memvault backup` again"
+            )
+    audited = True
+    try:
+        vault.record("backup", kid, items=items, sessions=sessions, to=str(target))
+    except (VaultBusy, OperationFailed):
+        audited = False  # the copy is made and sound: say so rather than fail
+    st = os.stat(target)
+    return BackupResult(
+        path=str(target),
+        source=str(vault.path),
+        vault_id=vault_id,
+        kid=kid,
+        sessions=sessions,
+        items=items,
+        size=st.st_size,
+        mode=oct(stat.S_IMODE(st.st_mode)),
+        key=KEY_OK if key_problem is None else KEY_UNUSABLE,
+        key_problem=key_problem,
+        restore=restore_steps(target, kid, key_problem is None),
+        audited=audited,
+    )
+
+
+def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
+    """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items).
+
+    Anything that fails after the file was created removes it again (and its side files).
+    """
+    try:
+        files.write_private(target, b"")  # O_EXCL | O_NOFOLLOW, 0600 from the first byte
+    except FileExistsError:
+        raise BadInput(
+            f"{target} appeared while the backup was starting; give a new file name; "
+            "nothing was written"
+        ) from None
+    except OSError as exc:
+        raise OperationFailed(
+            f"cannot create {target} ({exc.strerror}); choose a writable folder; "
+            "nothing was written"
+        ) from None
+    created = os.lstat(target)
+    try:
+        with vault.connection() as conn:
+            # VACUUM INTO accepts an existing empty file and keeps its mode. The
+            # connection takes URIs, so the name is passed as one (a '?' or '#' in a
+            # path stays part of the name).
+            try:
+                conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(target)),))
+            except sqlite3.Error as exc:
+                if is_busy(exc) or is_damage(exc):
+                    raise  # the vault's own state: said as every command says it
+                raise OperationFailed(
+                    f"cannot write the backup {target} ({exc}); nothing was written; check "
+                    "the free space and the permissions of its folder"
+                ) from None
+        testhooks.failpoint("backup-vacuumed")
+        now = os.lstat(target)
+        if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
+            raise OperationFailed(
+                f"{target} was replaced while the backup was written; the backup was not made"
+            )
+        return _settle(target)
+    except BaseException:
+        _remove(target, created)
+        raise
+
+
+def _settle(target: Path) -> tuple[str, str, int, int]:
+    """Give the copy the vault's journal mode, mark it scrubbed, and check it.
+
+    VACUUM INTO writes a rollback-journal file; `Vault.init` makes WAL files, so the
+    copy is switched to WAL and checkpointed, and its last connection's close
+    removes the `-wal` and `-shm` again. The copy has no free pages and no WAL, so
+    there is nothing left to scrub.
+    """
+    with sqlite_errors(target):
+        conn = connect(target)
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                "UPDATE memvault_meta SET value = '0' WHERE key = 'scrub_pending' AND value != '0'"
+            )
+            conn.execute("COMMIT")
+            check = conn.execute("PRAGMA integrity_check").fetchall()
+            if check != [("ok",)]:
+                raise OperationFailed(
+                    f"the copy written to {target} fails SQLite's integrity check "
+                    f"({check[0][0]}); the backup was not made; run `memvault verify`"
+                )
+            meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+            items = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
+            sessions = conn.execute(
+                f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+                f"SELECT session_id FROM {MESSAGES_TABLE})"
+            ).fetchone()[0]
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            conn.close()
+    _fsync(target)
+    files.fsync_dir(target.absolute().parent)
+    leftovers = [p for p in paths.sidecars(target)[1:] if os.path.lexists(p)]
+    if leftovers:  # another process opened the copy meanwhile: not a settled file
+        raise OperationFailed(
+            f"{leftovers[0]} stayed beside the backup (another process opened it?); the "
+            "backup was not made; try again"
+        )
+    return meta["kid"], meta["vault_id"], int(sessions), int(items)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | files.NO_FOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(target: Path, created: os.stat_result) -> None:
+    """Remove a half-made backup: only the file this backup created, and its side files."""
+    with contextlib.suppress(OSError):
+        now = os.lstat(target)
+        if (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
+            os.unlink(target)
+    for side in paths.sidecars(target)[1:]:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(side).st_mode):
+                os.unlink(side)

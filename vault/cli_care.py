@@ -1,0 +1,135 @@
+"""`memvault` commands that look after the vault file: backup and verify.
+
+Logic in vault.backup and vault.verify; neither imports the Agents SDK.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .cli import cli, common, emit, open_vault, plural, state
+from .errors import KeyProblem, OperationFailed
+
+
+@cli.command("backup")
+@click.argument("dest", metavar="DEST")
+@common
+def backup_cmd(dest: str) -> None:
+    """Write a consistent copy of the vault to DEST, a new file (mode 0600).
+
+    Safe while agents are writing: SQLite's VACUUM INTO copies one snapshot
+    (the WAL included) into fresh pages, so the copy holds no free pages and
+    no residue of deleted items. The copy keeps the vault id and the key id:
+    it opens with the same keyring key, and no key is copied into it. To
+    restore it on another machine you also need a recovery kit (`memvault key
+    export`); the command prints the steps.
+
+    A vault whose key is missing from this keyring is still backed up, with a
+    warning (a recovery kit may hold the key); a revoked vault is refused
+    (exit 4). DEST must not exist: an existing file, link or FIFO is refused
+    (exit 2) and left untouched. Do not `memvault shred` a backup you no
+    longer need: it shares the live vault's key until the next rotation, and
+    shred destroys that key; delete the file instead.
+
+    \b
+    Example:
+      memvault backup ~/backups/history-2026-11-30.db
+      memvault --json backup /media/usb/history.db
+    """
+    from .backup import backup
+
+    vault = open_vault()
+    r = backup(vault, dest)
+
+    def human() -> None:
+        click.echo(
+            f"backed up vault {r.vault_id} to {r.path}\n"
+            f"  {plural(r.items, 'item')} in {plural(r.sessions, 'session')}, "
+            f"{r.size} bytes, mode {r.mode}\n"
+            f"  key id  {r.kid} (the key is not in the backup)\n"
+            "to restore it on another machine:\n" + "\n".join(f"  {step}" for step in r.restore)
+        )
+
+    emit(r.as_dict(), human)
+    if r.key_problem:
+        click.echo(
+            f"warning: the backup is made, but this keyring cannot open it ({r.key_problem}); "
+            f"it opens only with a recovery kit for key {r.kid}",
+            err=True,
+        )
+    if not r.audited:
+        click.echo(
+            "warning: the backup is made, but the vault was busy and its audit trail does not "
+            "record it",
+            err=True,
+        )
+
+
+@cli.command("verify")
+@common
+def verify_cmd() -> None:
+    """Check everything: file integrity, every item, guard triggers, meta, key.
+
+    Runs SQLite's integrity check, authenticates every item under the key
+    (in batches), checks the guard triggers against the ones memvault creates,
+    the meta rows and the recorded migrations. It changes nothing (unlike
+    other commands, it neither migrates nor finishes a pending scrub).
+
+    \b
+    Exit codes:
+      0  every check passed
+      1  problems found: each is listed with its count and what to do
+      3  no vault at that path
+      4  the key is missing, revoked or does not match: the other checks are
+         still reported, but the items could not be verified
+
+    \b
+    Example:
+      memvault verify
+      memvault --db backup.db --json verify
+    """
+    from .verify import PROBLEMS, verify
+
+    report = verify(state().db)
+    doc = report.as_dict()
+
+    def human() -> None:
+        click.echo(f"vault      {report.path}  ({report.vault_id or 'no vault id'})")
+        key = report.key + (f", key id {report.kid}" if report.kid else "")
+        if report.key_error:
+            key = f"{report.key}: {report.key_error.message}"
+        click.echo(f"key        {key}")
+        counts = f"{plural(report.items, 'item')} in {plural(report.sessions, 'session')}"
+        if report.authenticated is None:
+            counts += f": not authenticated ({report.unverified_reason})"
+        else:
+            counts += f": {report.authenticated} authenticate ({report.expired} expired)"
+        click.echo(f"items      {counts}")
+        checked = "integrity, guard triggers, meta, schema"
+        if report.authenticated is not None:
+            checked += ", every item"
+        click.echo(f"checked    {checked}")
+        found = {k: n for k, n in report.problems.items() if n}
+        if report.ok:
+            click.echo("result     ok")
+        elif not found:
+            click.echo("result     not verified: the items need the key")
+        else:
+            click.echo(f"result     {plural(sum(found.values()), 'problem')}")
+        for kind, n in found.items():
+            label, fix = PROBLEMS[kind]
+            click.echo(f"  {kind} ({n}): {label}")
+            shown = report.details.get(kind, [])
+            for detail in shown:
+                click.echo(f"      {detail}")
+            if n > len(shown):
+                click.echo(f"      ... and {n - len(shown)} more")
+            click.echo(f"    what to do: {fix}")
+
+    emit(doc, human)
+    if report.key_error is not None:
+        raise KeyProblem(f"{report.key_error.message}; the items were not verified")
+    if not report.ok:
+        found = ", ".join(f"{kind} {n}" for kind, n in report.problems.items() if n)
+        where = "the JSON document" if state().json else "the list above"
+        raise OperationFailed(f"verify found problems in {report.path}: {found}; see {where}")

@@ -1,0 +1,111 @@
+"""`memvault completion`: the shell completion script, and the session ids it offers.
+
+The script is Click's own (`_MEMVAULT_COMPLETE=bash_source memvault` prints the
+same); at each TAB the shell runs `memvault` with `_MEMVAULT_COMPLETE` set, and
+Click asks each parameter type for candidates. Session ids are plaintext in the
+vault file, so completing them needs no key: this module reads them with a
+read-only SQLite connection and never touches the keyring, never imports the
+Agents SDK, never creates a file, and answers nothing at all on any error.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import urllib.parse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from . import files, paths
+from .cli import cli, common, refuse_option, state
+from .schema import SESSIONS_TABLE
+
+if TYPE_CHECKING:
+    from click.shell_completion import CompletionItem
+
+SHELLS = ("bash", "zsh", "fish")
+# Enough for any menu a shell shows; a vault with a million sessions still answers fast.
+MAX_CANDIDATES = 1000
+# Completion runs at each TAB: it never waits long for a lock.
+COMPLETION_TIMEOUT = 1.0
+
+
+@cli.command("completion")
+@click.argument("shell", type=click.Choice(SHELLS), metavar="{bash|zsh|fish}")
+@common
+def completion(shell: str) -> None:
+    """Print the shell completion script for bash, zsh or fish.
+
+    Completes commands, options, file paths and the session ids of the vault
+    (read from the file, which keeps them in clear: no key is needed and the
+    keyring is never asked). The vault is the one --db or $MEMVAULT_DB names
+    on the line being completed, else the default vault.
+
+    \b
+    Example:
+      memvault completion bash > ~/.memvault-complete.bash
+      echo '. ~/.memvault-complete.bash' >> ~/.bashrc
+      memvault completion zsh > ~/.memvault-complete.zsh
+      echo '. ~/.memvault-complete.zsh' >> ~/.zshrc
+      memvault completion fish > ~/.config/fish/completions/memvault.fish
+    """
+    if state().json:
+        refuse_option("--json", "completion", "it prints a shell script, not a document")
+    if state().db is not None:
+        refuse_option(
+            "--db", "completion", "the script reads --db or $MEMVAULT_DB from each completed line"
+        )
+    from click.shell_completion import get_completion_class
+
+    root = click.get_current_context().find_root()
+    prog_name = root.info_name or "memvault"
+    # The variable Click's own machinery answers to (`_MEMVAULT_COMPLETE`).
+    complete_var = f"_{prog_name.replace('-', '_').replace('.', '_')}_COMPLETE".upper()
+    comp_cls = get_completion_class(shell)
+    if comp_cls is None:  # pragma: no cover (Click ships all three)
+        raise click.UsageError(f"no completion support for {shell}")
+    # Bytes, as Click writes it: a text stdout on Windows would turn LF into CRLF.
+    click.echo(comp_cls(cli, {}, prog_name, complete_var).source().encode(), nl=False)
+
+
+def complete_session_ids(db: str | None, incomplete: str) -> list[CompletionItem]:
+    """The session ids starting with `incomplete`; [] on any error, silently."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        ids = session_ids(db, incomplete)
+    except Exception:  # a TAB never prints an error, let alone a traceback
+        return []
+    return [CompletionItem(i) for i in ids]
+
+
+def session_ids(db: str | None, prefix: str = "") -> list[str]:
+    """Session ids of the vault at `db` (resolved as every command does), read-only.
+
+    Never creates a file: a missing vault is [] (SQLite's mode=ro cannot create
+    the database). SQLite does create a WAL file's `-wal` and `-shm` for a
+    read-only reader when they are missing (a vault closed cleanly has none), so
+    then the file is opened `immutable`: with no `-wal`, every committed row is in
+    the file itself. A writer starting between the check and the read may make
+    the read fail (then []) or, in the worst case, leave the two files a reader
+    creates, with the database's own mode; completion never writes a row.
+    """
+    path = paths.resolve_db_path(db)
+    if not path.is_file() or files.odd_entries(paths.sidecars(path)):
+        return []
+    wal, shm = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))
+    live = os.path.exists(wal) and os.path.exists(shm)
+    uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if live else "?mode=ro&immutable=1")
+    conn = sqlite3.connect(uri, uri=True, timeout=COMPLETION_TIMEOUT, isolation_level=None)
+    try:
+        rows = conn.execute(
+            f"SELECT session_id FROM {SESSIONS_TABLE} WHERE substr(session_id, 1, ?) = ? "
+            "ORDER BY session_id LIMIT ?",
+            (len(prefix), prefix, MAX_CANDIDATES),
+        ).fetchall()
+    finally:
+        conn.close()
+    # One candidate per line in the shell protocol: an id with a line break cannot be offered.
+    return [r[0] for r in rows if isinstance(r[0], str) and not set(r[0]) & {"\n", "\r", "\0"}]

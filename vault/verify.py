@@ -1,0 +1,303 @@
+"""`verify`: check everything a vault promises, without changing it.
+
+SQLite's `integrity_check`, every item authenticated under the key (in
+batches, never all rows at once), the guard triggers as memvault creates them,
+the meta rows and the recorded migrations, and the key itself. Unlike every other command it
+neither migrates nor scrubs the file: it reports what it finds.
+
+A key that cannot be used (missing, revoked, mismatched, no keyring) is a key
+problem, exit 4 as everywhere else: the items could not be authenticated, so
+the vault was not verified. The checks that need no key still run and are
+reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import crypto, paths
+from .db import check_header, is_damage, parse_ttl, refuse_odd_side_files
+from .errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
+from .keys import KeyStore
+from .schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
+from .store import Vault
+
+BATCH = 500
+# Detail lines kept per problem: the counts are exact, the examples are a sample.
+MAX_DETAILS = 20
+REQUIRED_META = ("format", "vault_id", "kid", "ttl_seconds", "created_at", "rotated_at")
+REQUIRED_TABLES = (SESSIONS_TABLE, MESSAGES_TABLE, "memvault_meta", "memvault_audit")
+_VAULT_ID = re.compile(r"mv-[0-9a-f]{24}")
+_KID = re.compile(re.escape(crypto.KID_PREFIX) + r"[0-9a-f]{16}")
+_STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+
+# Each problem: what it means and what to do, for the human listing.
+PROBLEMS: dict[str, tuple[str, str]] = {
+    "integrity": (
+        "SQLite integrity check errors",
+        "the file is damaged: restore it from a backup (`memvault backup` makes one); "
+        "`sqlite3 FILE .recover` may salvage rows",
+    ),
+    "unauthenticated_items": (
+        "items that do not authenticate (tampered, corrupt or under another key)",
+        "`memvault sessions` shows where; restore the vault from a backup, or delete them on "
+        "purpose with `memvault clear SESSION --include-unreadable`",
+    ),
+    "guard_triggers": (
+        "guard triggers missing, altered or unexpected",
+        "the file was changed outside memvault: restore it from a backup, and find out who "
+        "changed it",
+    ),
+    "meta": (
+        "meta rows missing or invalid",
+        "the vault's settings were changed outside memvault: restore the vault from a backup "
+        "(an invalid TTL alone is fixed by `memvault ttl 30d`)",
+    ),
+    "schema": (
+        "tables or migrations missing or unknown",
+        "missing migrations: any memvault command (`memvault status`) applies them; unknown "
+        "ones: upgrade memvault; missing tables: restore the vault from a backup",
+    ),
+    "scrub_pending": (
+        "unfinished scrub (replaced ciphertext may remain in the file)",
+        "run any memvault command (`memvault status`) to finish it once no other process "
+        "holds a read transaction",
+    ),
+}
+
+
+@dataclass
+class VerifyReport:
+    """What `verify` found. `ok` only when every check ran and found nothing."""
+
+    path: str
+    vault_id: str | None = None
+    kid: str | None = None
+    items: int = 0
+    sessions: int = 0
+    authenticated: int | None = None  # None: the items could not be checked (no key)
+    expired: int = 0
+    problems: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROBLEMS, 0))
+    details: dict[str, list[str]] = field(default_factory=dict)
+    key: str = "not checked"
+    key_error: KeyProblem | None = None
+    unverified_reason: str | None = None  # why `authenticated` is None
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.key_error is None
+            and self.authenticated is not None
+            and not any(self.problems.values())
+        )
+
+    def add(self, problem: str, detail: str, count: int = 1) -> None:
+        self.problems[problem] += count
+        shown = self.details.setdefault(problem, [])
+        if len(shown) < MAX_DETAILS:
+            shown.append(detail)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "path": self.path,
+            "vault_id": self.vault_id,
+            "kid": self.kid,
+            "items": self.items,
+            "sessions": self.sessions,
+            "authenticated": self.authenticated,
+            "expired": self.expired,
+            "problems": dict(self.problems),
+            "details": {k: list(v) for k, v in self.details.items()},
+            "fixes": {k: PROBLEMS[k][1] for k, n in self.problems.items() if n},
+            "key": self.key,
+            "key_problem": self.key_error.message if self.key_error else None,
+            "unverified_reason": self.unverified_reason,
+        }
+
+
+def verify(
+    db: str | os.PathLike[str] | None = None, keystore: KeyStore | None = None
+) -> VerifyReport:
+    """Check the vault at `db` (resolved as everywhere). Raises only when there is no
+    vault to check (NotAVault, exit 3), or for an unreadable or busy file."""
+    path = paths.resolve_db_path(db)
+    check_header(path)  # exit 3 for nothing or not SQLite; a truncated file is VaultCorrupt
+    refuse_odd_side_files(path)
+    # Not Vault.open: that would migrate and scrub, and verify reports instead of fixing.
+    vault = Vault(path, keystore)
+    for _attempt in range(50):
+        report = VerifyReport(str(path))
+        sealer = _sealer(vault, report)
+        with vault.connection() as conn:
+            conn.execute("BEGIN")  # one snapshot: meta, kid and rows agree
+            meta = _meta(conn, report)
+            if sealer is not None and meta.get("kid") != sealer.kid:
+                continue  # rotated since the key was loaded: load it again
+            _schema(conn, report)
+            _triggers(conn, report)
+            _integrity(conn, report)
+            _items(conn, report, sealer, meta)
+            return report  # the read transaction ends with the connection (rolled back)
+    raise VaultBusy(
+        f"{path} kept changing key while being verified (rotations in a loop?); try again"
+    )
+
+
+def _sealer(vault: Vault, report: VerifyReport) -> crypto.Sealer | None:
+    try:
+        sealer = vault.sealer(refresh=True)
+    except KeyProblem as exc:
+        report.key = "key revoked" if isinstance(exc, KeyRevoked) else "unusable"
+        report.key_error = exc
+        report.unverified_reason = "no usable key"
+        return None
+    except NotAVault:
+        # Meta without vault id or kid: `_meta` reports it; there is no key to look up.
+        report.unverified_reason = "the meta does not name the vault's key"
+        return None
+    report.key = "present and matching"
+    return sealer
+
+
+def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    except sqlite3.OperationalError as exc:
+        if is_damage(exc):
+            raise
+        raise NotAVault(
+            f"{report.path} is a SQLite database but not a memvault vault (no memvault_meta "
+            "table); nothing to verify"
+        ) from None
+    report.vault_id, report.kid = meta.get("vault_id"), meta.get("kid")
+    for key in REQUIRED_META:
+        if key not in meta:
+            report.add("meta", f"{key} is missing")
+    if "format" in meta and meta["format"] != FORMAT:
+        report.add("meta", f"unknown format {meta['format'][:40]!r} (this memvault: {FORMAT})")
+    if "vault_id" in meta and not _VAULT_ID.fullmatch(meta["vault_id"]):
+        report.add("meta", f"vault_id {meta['vault_id'][:40]!r} is not a memvault vault id")
+    revoked = "revoked_at" in meta
+    kid_key = "revoked_kid" if revoked else "kid"
+    if kid_key in meta and not _KID.fullmatch(meta[kid_key]):
+        report.add("meta", f"{kid_key} {meta[kid_key][:40]!r} is not a memvault key id")
+    if revoked:
+        report.kid = meta.get("revoked_kid")
+    if "ttl_seconds" in meta:
+        try:
+            parse_ttl(meta, Path(report.path))
+        except VaultError:
+            report.add("meta", f"ttl_seconds {meta['ttl_seconds'][:40]!r} is not a TTL")
+    for key in ("created_at", "rotated_at"):
+        if key in meta and not _STAMP.fullmatch(meta[key]):
+            report.add("meta", f"{key} {meta[key][:40]!r} is not a UTC timestamp")
+    if meta.get("scrub_pending") == "1" and not revoked:
+        report.add("scrub_pending", "a rotation, purge or clear has not finished its scrub")
+    if "shred_started" in meta:
+        report.add("meta", "a shred was interrupted: run `memvault shred` again to finish it")
+    return meta
+
+
+def _schema(conn: sqlite3.Connection, report: VerifyReport) -> None:
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    for table in REQUIRED_TABLES:
+        if table not in tables:
+            report.add("schema", f"table {table} is missing")
+    if "memvault_migrations" not in tables:
+        report.add("schema", "table memvault_migrations is missing (a vault before migrations?)")
+        return
+    done = {r[0] for r in conn.execute("SELECT name FROM memvault_migrations")}
+    known = [fn.__name__ for fn in MIGRATIONS]
+    for name in known:
+        if name not in done:
+            report.add("schema", f"migration {name} is not applied")
+    for name in sorted(done - set(known)):
+        report.add("schema", f"migration {name[:60]!r} is unknown (a newer memvault wrote it?)")
+
+
+@functools.cache
+def expected_triggers() -> dict[str, str]:
+    """The triggers memvault creates, as SQLite stores them: built in memory, never copied."""
+    mem = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        migrate(mem)
+        return dict(mem.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"))
+    finally:
+        mem.close()
+
+
+def _triggers(conn: sqlite3.Connection, report: VerifyReport) -> None:
+    found = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"))
+    for name, sql in expected_triggers().items():
+        if name not in found:
+            report.add("guard_triggers", f"{name} is missing")
+        elif found[name] != sql:
+            report.add("guard_triggers", f"{name} differs from the one memvault creates")
+    for name in sorted(set(found) - set(expected_triggers())):
+        report.add("guard_triggers", f"unexpected trigger {name[:60]!r}")
+
+
+def _integrity(conn: sqlite3.Connection, report: VerifyReport) -> None:
+    try:
+        lines = [r[0] for r in conn.execute("PRAGMA integrity_check")]
+    except sqlite3.DatabaseError as exc:
+        if not is_damage(exc):
+            raise
+        report.add("integrity", f"the check itself failed: {exc}")
+        return
+    if lines != ["ok"]:
+        for line in lines:
+            report.add("integrity", str(line))
+
+
+def _items(
+    conn: sqlite3.Connection,
+    report: VerifyReport,
+    sealer: crypto.Sealer | None,
+    meta: dict[str, str],
+) -> None:
+    """Count (and with a key, authenticate) every item, BATCH rows at a time."""
+    try:
+        ttl = parse_ttl(meta, Path(report.path))
+    except VaultError:
+        ttl = None  # reported by _meta; items are still authenticated
+    authenticated = 0
+    try:
+        report.sessions = conn.execute(
+            f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+            f"SELECT session_id FROM {MESSAGES_TABLE})"
+        ).fetchone()[0]
+        cur = conn.execute(f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id")
+        while batch := cur.fetchmany(BATCH):
+            report.items += len(batch)
+            if sealer is None:
+                continue
+            for row_id, sid, data in batch:
+                state = sealer.state(str(sid), data if isinstance(data, str) else "", ttl)
+                if state is crypto.ItemState.UNREADABLE:
+                    report.add(
+                        "unauthenticated_items", f"item {row_id} of session {str(sid)[:60]!r}"
+                    )
+                    continue
+                authenticated += 1
+                if state is crypto.ItemState.EXPIRED:
+                    report.expired += 1
+    except sqlite3.DatabaseError as exc:
+        if is_damage(exc):
+            report.add("integrity", f"reading the items stopped after {report.items}: {exc}")
+            report.unverified_reason = report.unverified_reason or "the file is damaged"
+        elif isinstance(exc, sqlite3.OperationalError):  # no such table or column
+            report.add("schema", f"the items cannot be read: {exc}")
+            report.unverified_reason = report.unverified_reason or "the items cannot be read"
+        else:
+            raise
+        return
+    if sealer is not None:
+        report.authenticated = authenticated
