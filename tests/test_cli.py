@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import (
     add_items,
     assistant,
+    authenticated_counts,
     insert_sealed,
     key_entry,
     keyring_entries,
@@ -129,7 +130,9 @@ def test_db_option_env_and_default(tmp_path: Path, vault_db: Path) -> None:
         assert run_cli("--db", str(db), "shred", "--yes").code == 0
 
 
-def test_status_and_sessions_count_readable_expired_unreadable(vault: Any, vault_db: Path) -> None:
+def test_status_and_sessions_count_items_and_expired_by_timestamp_unverified(
+    vault: Any, vault_db: Path
+) -> None:
     now = int(time.time())
     insert_sealed(vault_db, "a", [user("fresh 1"), user("fresh 2")], now)
     insert_sealed(vault_db, "a", [user("old")], now - 7200)  # ttl is 1h
@@ -146,14 +149,24 @@ def test_status_and_sessions_count_readable_expired_unreadable(vault: Any, vault
         )
     conn.close()
     st = run_cli("--json", "status").json()
-    assert (st["items"], st["readable"], st["expired"], st["unreadable"]) == (4, 2, 1, 1)
+    # Counted without authenticating: the tampered item kept its timestamp, so it counts
+    # as an item that has not expired; the output says the counts are unverified.
+    assert (st["items"], st["expired_unverified"]) == (4, 1)
+    assert "unverified" in st["counts"] and "memvault verify" in st["counts"]
+    assert "readable" not in st and "unreadable" not in st
     assert st["key"] == "present and matching" and st["sessions"] == 2
     assert st["files"]["history.db"]["mode"] == "0o600"
     ss = {s["session_id"]: s for s in run_cli("--json", "sessions").json()}
-    assert (ss["a"]["items"], ss["a"]["readable"], ss["a"]["expired"]) == (3, 2, 1)
-    assert (ss["b"]["items"], ss["b"]["unreadable"]) == (1, 1)
+    assert (ss["a"]["items"], ss["a"]["expired_unverified"]) == (3, 1)
+    assert (ss["b"]["items"], ss["b"]["expired_unverified"]) == (1, 0)
     human = run_cli("status")
-    assert "2 readable, 1 expired, 1 unreadable" in human.out
+    assert "4 items in 2 sessions, 1 expired by their timestamps" in human.out
+    assert "unverified counts: `memvault verify` authenticates every item" in human.out
+    human = run_cli("sessions")
+    assert "unverified" in human.out and "memvault verify" in human.out
+    # Reading authenticates: the tampered item is found there.
+    assert authenticated_counts(vault_db) == (2, 1, 1)
+    assert run_cli("show", "b").code == 1
 
 
 def test_show_pop_and_limit(vault: Any, vault_db: Path) -> None:

@@ -22,6 +22,7 @@ from tests.conftest import (
     ROOT,
     add_items,
     assistant,
+    authenticated_counts,
     default_sigint,
     key_entry,
     keyring_entries,
@@ -113,7 +114,8 @@ def test_ctrl_c_after_the_rotation_committed_says_so(vault: Any, vault_db: Path)
     r = run_cli("--json", "status")
     assert r.code == 0, r
     st = r.json()
-    assert st["kid"] != before_kid and st["readable"] == ITEMS and not st["scrub_pending"]
+    assert st["kid"] != before_kid and st["items"] == ITEMS and not st["scrub_pending"]
+    assert authenticated_counts(vault_db) == (ITEMS, 0, 0)
     assert run_cli("show", "big", "--limit", "1").code == 0
 
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import add_items, assistant, keyring_entries, run_cli, user
+from tests.conftest import (
+    add_items,
+    assistant,
+    authenticated_counts,
+    keyring_entries,
+    run_cli,
+    user,
+)
 from tests.test_kit import copy_vault, export, import_
 from vault import crypto
 
@@ -49,8 +56,9 @@ def test_an_old_kit_restored_into_a_backup_leaves_the_live_vault_working(
 ) -> None:
     backup, old_kid, new_kid = live_and_backup(vault, vault_db, tmp_path)
     live, copy = status(vault_db), status(backup)
-    assert (live["kid"], live["key"], live["readable"]) == (new_kid, "present and matching", 2)
-    assert (copy["kid"], copy["key"], copy["readable"]) == (old_kid, "present and matching", 2)
+    assert (live["kid"], live["key"], live["items"]) == (new_kid, "present and matching", 2)
+    assert (copy["kid"], copy["key"], copy["items"]) == (old_kid, "present and matching", 2)
+    assert authenticated_counts(vault_db) == authenticated_counts(backup) == (2, 0, 0)
     r = run_cli("--json", "show", "s")
     assert r.code == 0 and [i["content"] for i in r.json()["items"]] == ["NORD-42", "noted"], r
     # One entry per key version, each holding the key its name says.

@@ -15,7 +15,16 @@ import keyring
 from agents import SQLiteSession
 
 import vault as vault_pkg
-from tests.conftest import ROOT, add_items, key_entry, keyring_entries, raw_bytes, run_cli, user
+from tests.conftest import (
+    ROOT,
+    add_items,
+    authenticated_counts,
+    key_entry,
+    keyring_entries,
+    raw_bytes,
+    run_cli,
+    user,
+)
 from vault import crypto
 
 
@@ -141,5 +150,4 @@ def test_the_guard_is_no_defence_against_someone_who_can_write_the_file(
         )
     conn.close()
     # ...but what they plant does not authenticate, so the vault never shows it.
-    st = run_cli("--json", "status").json()
-    assert st["unreadable"] == 1 and st["readable"] == 0
+    assert authenticated_counts(vault_db) == (0, 0, 1)

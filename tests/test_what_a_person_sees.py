@@ -109,7 +109,7 @@ def test_log_shows_ttls_as_durations(vault: Any) -> None:
 
 def test_one_is_singular(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("one"), assistant("two")])
-    assert "2 items in 1 session (" in run_cli("status").out
+    assert "2 items in 1 session, 0 expired" in run_cli("status").out
     assert run_cli("pop", "s").out == "removed 1 item from s\n"
     r = run_cli("rotate")
     assert r.out.startswith("rotated 1 item in 1 session in "), r

@@ -37,7 +37,8 @@ def purge(yes: bool) -> None:
     vault = open_vault()
     vault.sealer()
     if not yes:
-        expired = sum(s.expired for s in vault.sessions())
+        # Counted from timestamps (unverified): purge itself deletes only what authenticates.
+        expired = sum(s.expired_unverified for s in vault.sessions())
         if expired:  # with nothing to delete there is nothing to ask
             confirm(
                 f"Delete the {plural(expired, 'expired item')} of the vault {vault.path} for good?",

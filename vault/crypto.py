@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -106,6 +106,68 @@ class Opened:
     timestamp: int | None = None
 
 
+# The row text `seal` writes (json.dumps of the envelope, default separators), read and
+# written without a generic JSON parser on the hot paths (rotation, counting, purge).
+_HEAD = '{"__enc__": 1, "v": 1, "kid": "'
+_MID = '", "payload": "'
+_TAIL = '"}'
+_B64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+_TOKEN_CHARS = _B64 + b"="
+
+
+def _plain_json_string(s: str) -> bool:
+    """Whether `s` between quotes is a JSON string that decodes to `s` itself."""
+    return '"' not in s and "\\" not in s and s.isprintable()
+
+
+def split_envelope(message_data: str) -> tuple[str, str] | None:
+    """(kid, payload) of a row in exactly the layout `seal` writes, else None.
+
+    Where it answers, it answers what `parse_envelope` would (both strings are
+    checked to need no JSON unescaping); any other row, None, and the caller falls
+    back to `parse_envelope`.
+    """
+    if not (message_data.startswith(_HEAD) and message_data.endswith(_TAIL)):
+        return None
+    k = message_data.find(_MID, len(_HEAD))
+    if k < 0:
+        return None
+    kid = message_data[len(_HEAD) : k]
+    payload = message_data[k + len(_MID) : -len(_TAIL)]
+    # A payload of base64 characters only (a C-speed check; isascii is O(1)): what every
+    # token is, and a JSON string that decodes to itself. Anything else: the slow path.
+    if (
+        payload.isascii()
+        and not payload.encode("ascii").translate(None, _TOKEN_CHARS)
+        and _plain_json_string(kid)
+    ):
+        return kid, payload
+    return None
+
+
+def envelope_text(kid: str, payload: str) -> str:
+    """`json.dumps` of the envelope `seal` builds, for a kid and token that need no escaping."""
+    return _HEAD + kid + _MID + payload + _TAIL
+
+
+def payload_of(message_data: str) -> str | None:
+    """The envelope's payload (the Fernet token), or None when the row is no envelope."""
+    split = split_envelope(message_data)
+    if split is not None:
+        return split[1]
+    env = parse_envelope(message_data)
+    return None if env is None else str(env["payload"])
+
+
+def _token_time(token: bytes) -> int:
+    """The timestamp of a token Fernet has just authenticated (bytes 1-8 of its decoding)."""
+    head = token[:12]
+    # 12 base64 characters are the version byte and the 8-byte big-endian timestamp;
+    # base64 skips characters outside its alphabet, so only a clean head is read alone.
+    raw = base64.urlsafe_b64decode(head if not head.translate(None, _B64) else token)
+    return int.from_bytes(raw[1:9], "big")
+
+
 def parse_envelope(message_data: str) -> dict[str, Any] | None:
     """The envelope dict, or None when the row is not a well-formed envelope."""
     try:
@@ -153,7 +215,8 @@ class Sealer:
 
     def seal(self, session_id: str, item: Any, now: int | None = None) -> str:
         """The row text: `json.dumps(envelope)`, as SQLiteSession stores it."""
-        return json.dumps(self.envelope(session_id, item, now))
+        env = self.envelope(session_id, item, now)
+        return envelope_text(env["kid"], env["payload"])
 
     def open(
         self, session_id: str, message_data: str, ttl: int | None, now: int | None = None
@@ -163,11 +226,11 @@ class Sealer:
         Fernet alone reports all three as InvalidToken: authenticate without a TTL
         first, then judge the authenticated timestamp.
         """
-        env = parse_envelope(message_data)
-        if env is None:
+        payload = payload_of(message_data)
+        if payload is None:
             return Opened(ItemState.UNREADABLE)
         f = self.fernet(session_id)
-        token = env["payload"].encode("ascii", "replace")
+        token = payload.encode("ascii", "replace")
         try:
             ts = f.extract_timestamp(token)
         except (InvalidToken, TypeError):
@@ -195,10 +258,10 @@ class Sealer:
         whose plaintext does not decode (bad padding, not JSON: only a holder of the key
         could write one) is counted readable here where `open` would call it unreadable.
         """
-        env = parse_envelope(message_data)
-        if env is None:
+        payload = payload_of(message_data)
+        if payload is None:
             return ItemState.UNREADABLE
-        token = env["payload"].encode("ascii", "replace")
+        token = payload.encode("ascii", "replace")
         try:
             ts = self.fernet(session_id).extract_timestamp(token)
         except (InvalidToken, TypeError):
@@ -218,25 +281,33 @@ def rotate_row_stamped(
 ) -> tuple[str, int] | None:
     """Re-encrypt one row under the new key; return it with the token's timestamp.
 
-    `MultiFernet.rotate` decrypts with any of the keys and re-encrypts with the
-    first while preserving the original timestamp, so rotation never extends an
-    item's life. The timestamp (authenticated, kept by the rotation) is read from
-    the new token's first 9 bytes, so that a caller counting expired items does
-    not parse the row it has just built a second time. Returns None when the row
-    does not authenticate under the old key.
+    Decrypts with the old session key and encrypts at the token's own
+    (authenticated) timestamp with the new one: the same token `MultiFernet([new,
+    old]).rotate` makes, without its first, failing HMAC under the new key, so
+    rotation never extends an item's life. A row in `seal`'s layout is rebuilt
+    without a JSON parser; any other keeps its envelope, kid and payload replaced.
+    Returns None when the row does not authenticate under the old key.
     """
-    env = parse_envelope(message_data)
-    if env is None:
-        return None
-    mf = MultiFernet([new.fernet(session_id), old.fernet(session_id)])
+    split = split_envelope(message_data)
+    env = None
+    if split is not None:
+        payload = split[1]
+    else:
+        env = parse_envelope(message_data)
+        if env is None:
+            return None
+        payload = env["payload"]
+    token = payload.encode("ascii", "replace")
     try:
-        token = mf.rotate(env["payload"].encode("ascii", "replace"))
+        plain = old.fernet(session_id).decrypt(token)
     except InvalidToken:
         return None
+    ts = _token_time(token)
+    fresh = new.fernet(session_id).encrypt_at_time(plain, ts).decode()
+    if env is None:
+        return envelope_text(new.kid, fresh), ts
     env["kid"] = new.kid
-    env["payload"] = token.decode()
-    # 12 base64 characters are the version byte and the 8-byte big-endian timestamp.
-    ts = int.from_bytes(base64.urlsafe_b64decode(token[:12])[1:9], "big")
+    env["payload"] = fresh
     return json.dumps(env), ts
 
 

@@ -59,7 +59,7 @@ def configure(conn: sqlite3.Connection, timeout: float) -> None:
     """Pragmas every vault connection uses (the SDK session's connections too)."""
     conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
     conn.execute("PRAGMA secure_delete = ON")  # deleted cells and pages are zeroed
-    conn.execute("PRAGMA temp_store = MEMORY")  # VACUUM's copy never touches a temp file
+    conn.execute("PRAGMA temp_store = MEMORY")  # no temporary file ever holds vault bytes
     conn.execute("PRAGMA synchronous = FULL")
     if sys.platform == "darwin":
         conn.execute("PRAGMA fullfsync = ON")
@@ -350,7 +350,14 @@ class VaultFile:
             ]
 
     def scrub(self) -> bool:
-        """Checkpoint the WAL (TRUNCATE) and VACUUM so no replaced bytes remain.
+        """Checkpoint the WAL (TRUNCATE) so no replaced or deleted bytes remain.
+
+        No VACUUM: every connection has `secure_delete` on, so SQLite zeroes a cell
+        when it is deleted or rewritten and a page when it is freed; the checkpoint
+        copies those pages over the old ones in the file, and TRUNCATE empties the
+        WAL that held them. A VACUUM rewrote the whole file (and, with
+        `temp_store = MEMORY`, held a copy of it in memory) to remove nothing more:
+        the residue tests are the proof (SECURITY.md, "Scrub").
 
         Returns False, leaving `scrub_pending` set for the next open, when another
         process's read transaction keeps the checkpoint from finishing.
@@ -360,11 +367,10 @@ class VaultFile:
                 if conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
                     return False
                 testhooks.failpoint("during-scrub")
-                conn.execute("VACUUM")
                 conn.execute("BEGIN IMMEDIATE")
                 set_meta(conn, scrub_pending="0")
                 conn.execute("COMMIT")
-                # Old bytes are gone already; this one only empties the WAL of new pages.
+                # Old bytes are gone already; this one only empties the WAL of the meta page.
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.OperationalError as exc:
                 if is_busy(exc):

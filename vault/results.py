@@ -13,11 +13,15 @@ from typing import Any
 
 @dataclass
 class SessionInfo:
+    """A session's counts from SQL: unverified (no item is authenticated to count it).
+
+    `expired_unverified` judges each item by the timestamp its token claims;
+    `memvault verify` authenticates every item.
+    """
+
     session_id: str
     items: int
-    readable: int = 0
-    expired: int = 0
-    unreadable: int = 0
+    expired_unverified: int = 0
     updated_at: str | None = None
 
     def as_dict(self) -> dict[str, Any]:

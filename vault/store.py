@@ -19,6 +19,7 @@ import contextlib
 import os
 import secrets
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -51,6 +52,8 @@ from .results import Cleared, Popped, Report, SessionInfo
 from .schema import (
     DEFAULT_TTL,
     FORMAT,
+    ITEM_TIME,
+    ITEM_TIME_INDEX,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
     SESSIONS_TABLE,
@@ -76,6 +79,12 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# What `status` says of its counts (and `sessions` of its columns): they come from SQL.
+COUNTS_NOTE = (
+    "unverified: items counted and judged expired by their timestamps, without "
+    "authenticating them; `memvault verify` authenticates every item"
+)
 
 
 # --------------------------------------------------------------------------
@@ -182,12 +191,13 @@ class Vault(KeyLifecycle):
         check_header(path)
         refuse_odd_side_files(path)
         vault = cls(path, keystore)
-        meta = vault.meta()
-        if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
-            raise NotAVault(
-                f"{path} has an unknown memvault format {meta.get('format')!r}; upgrade memvault"
-            )
-        with vault.connection() as conn:
+        with vault.connection() as conn:  # one connection for both questions
+            meta = read_meta(conn, path)
+            if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
+                raise NotAVault(
+                    f"{path} has an unknown memvault format {meta.get('format')!r}; "
+                    "upgrade memvault"
+                )
             stale = needs_migration(conn)  # asked without taking the write lock
         if stale:
             with vault.write_transaction() as conn:
@@ -237,29 +247,41 @@ class Vault(KeyLifecycle):
         )
 
     def sessions(self, now: int | None = None) -> list[SessionInfo]:
-        """One row per session with readable, expired and unreadable counts."""
-        return self._snapshot(lambda conn, sealer, ttl: self._count(conn, sealer, ttl, now))
+        """One row per session: its items and how many of them look expired.
+
+        Counted in SQL from indexes, without reading or authenticating the rows, so
+        the cost does not grow with the items' size and barely with their number.
+        "Expired" judges each item by its Fernet timestamp, unauthenticated: a
+        tampered or foreign item is counted by what it claims. `memvault verify`
+        authenticates every item. The key is still required (the vault's other
+        commands refuse a vault whose key is missing or revoked alike).
+        """
+        self.sealer()
+        with self.connection() as conn:
+            conn.execute("BEGIN")  # deferred: one snapshot for the meta and the counts
+            meta = read_meta(conn, self.path)
+            return self._count(conn, parse_ttl(meta, self.path), now)
 
     def _count(
-        self, conn: sqlite3.Connection, sealer: crypto.Sealer, ttl: int | None, now: int | None
+        self, conn: sqlite3.Connection, ttl: int | None, now: int | None
     ) -> list[SessionInfo]:
         infos: dict[str, SessionInfo] = {}
-        for sid, updated in conn.execute(
-            f"SELECT session_id, updated_at FROM {SESSIONS_TABLE} ORDER BY session_id"
-        ):
+        for sid, updated in conn.execute(f"SELECT session_id, updated_at FROM {SESSIONS_TABLE}"):
             infos[sid] = SessionInfo(sid, 0, updated_at=updated)
-        for sid, data in conn.execute(
-            f"SELECT session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
+        # Both read the SDK's (session_id, id) index and ours: never the rows themselves.
+        for sid, n in conn.execute(
+            f"SELECT session_id, count(*) FROM {MESSAGES_TABLE} GROUP BY session_id"
         ):
-            info = infos.setdefault(sid, SessionInfo(sid, 0))
-            info.items += 1
-            state = sealer.state(sid, data, ttl, now)  # authenticate, no decryption
-            if state is crypto.ItemState.READABLE:
-                info.readable += 1
-            elif state is crypto.ItemState.EXPIRED:
-                info.expired += 1
-            else:
-                info.unreadable += 1
+            infos.setdefault(sid, SessionInfo(sid, 0)).items = n
+        if ttl is not None:
+            cutoff = (int(time.time()) if now is None else now) - ttl
+            for info in infos.values():
+                if info.items:
+                    info.expired_unverified = conn.execute(
+                        f"SELECT count(*) FROM {MESSAGES_TABLE} INDEXED BY {ITEM_TIME_INDEX} "
+                        f"WHERE session_id = ? AND {ITEM_TIME} < ?",
+                        (info.session_id, cutoff),
+                    ).fetchone()[0]
         return sorted(infos.values(), key=lambda i: i.session_id)
 
     def _require_session(self, conn: sqlite3.Connection, session_id: str) -> None:
@@ -333,7 +355,12 @@ class Vault(KeyLifecycle):
         return opened()
 
     def status(self, now: int | None = None) -> dict[str, Any]:
-        meta = self.meta()
+        """What `memvault status` shows; its counts are `sessions()`'s, unverified."""
+        with self.connection() as conn:
+            conn.execute("BEGIN")  # one snapshot for the meta and every count
+            meta = read_meta(conn, self.path)
+            ttl = parse_ttl(meta, self.path)
+            infos = self._count(conn, ttl, now)
         files = {}
         for p in paths.sidecars(self.path):
             if p.exists():
@@ -345,7 +372,7 @@ class Vault(KeyLifecycle):
             "size": sum(f["size"] for f in files.values()),
             "vault_id": meta["vault_id"],
             "kid": meta["kid"],
-            "ttl": durations.format_duration(self.ttl),
+            "ttl": durations.format_duration(ttl),
             "created_at": meta.get("created_at"),
             "rotated_at": meta.get("rotated_at"),
             "scrub_pending": meta.get("scrub_pending") == "1",
@@ -353,9 +380,10 @@ class Vault(KeyLifecycle):
             "keyring": None,
             "key": None,
         }
-        with self.connection() as conn:
-            out["sessions"] = len(self.session_ids())
-            out["items"] = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
+        out["sessions"] = len(infos)
+        out["items"] = sum(i.items for i in infos)
+        out["expired_unverified"] = sum(i.expired_unverified for i in infos)
+        out["counts"] = COUNTS_NOTE
         try:
             out["keyring"] = self.keystore.name
             self.sealer()
@@ -372,16 +400,6 @@ class Vault(KeyLifecycle):
         except KeyProblem as exc:
             out["key"] = "unusable"
             out["key_problem"] = exc.message
-            return out
-        if out["key"] != "present and matching":
-            return out
-        infos = self.sessions(now)
-        # The counts of one snapshot (the ones above may predate a concurrent write).
-        out["sessions"] = len(infos)
-        out["items"] = sum(i.items for i in infos)
-        out["readable"] = sum(i.readable for i in infos)
-        out["expired"] = sum(i.expired for i in infos)
-        out["unreadable"] = sum(i.unreadable for i in infos)
         return out
 
     # -- changing -------------------------------------------------------
@@ -463,29 +481,43 @@ class Vault(KeyLifecycle):
             audit(conn, "ttl", sealer.kid, old=old, new=new)
 
     def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
-        """Delete items that authenticate under the key and are past the TTL."""
+        """Delete items that authenticate under the key and are past the TTL.
+
+        Reads and deletes in batches of rows, in one transaction: memory stays flat
+        whatever the size of the vault. Each item is authenticated (HMAC), never
+        decrypted: an expired item is deleted without its plaintext being needed.
+        """
         sealer = self.sealer()
         deleted = kept = unreadable = 0
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
-            doomed = []
-            for row_id, sid, data in conn.execute(
-                f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} ORDER BY id"
-            ).fetchall():
-                state = sealer.open(sid, data, ttl, now).state
-                if state is crypto.ItemState.EXPIRED:
-                    doomed.append((row_id,))
-                elif state is crypto.ItemState.UNREADABLE:
-                    unreadable += 1
-                else:
-                    kept += 1
+            current = int(time.time()) if now is None else now
+            last = -1
+            while True:
+                batch = conn.execute(
+                    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+                    "WHERE id > ? ORDER BY id LIMIT 1000",
+                    (last,),
+                ).fetchall()
+                if not batch:
+                    break
+                doomed = []
+                for row_id, sid, data in batch:
+                    state = sealer.state(sid, data, ttl, current)
+                    if state is crypto.ItemState.EXPIRED:
+                        doomed.append((row_id,))
+                    elif state is crypto.ItemState.UNREADABLE:
+                        unreadable += 1
+                    else:
+                        kept += 1
+                conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
+                deleted += len(doomed)
+                last = batch[-1][0]
                 if progress:
-                    progress(1)
+                    progress(len(batch))
             testhooks.failpoint("purge-in-transaction")
-            conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
-            deleted = len(doomed)
             if deleted:
                 set_meta(conn, scrub_pending="1")
             audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)

@@ -46,8 +46,8 @@ PROBLEMS: dict[str, tuple[str, str]] = {
     ),
     "unauthenticated_items": (
         "items that do not authenticate (tampered, corrupt or under another key)",
-        "`memvault sessions` shows where; restore the vault from a backup, or delete them on "
-        "purpose with `memvault clear SESSION --include-unreadable`",
+        "`memvault show SESSION` reports them per session; restore the vault from a backup, "
+        "or delete them on purpose with `memvault clear SESSION --include-unreadable`",
     ),
     "guard_triggers": (
         "guard triggers missing, altered or unexpected",
