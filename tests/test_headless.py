@@ -196,20 +196,26 @@ def test_a_missing_or_empty_passphrase_file_is_exit_4_before_any_keyring(
 
 
 @pytest.mark.slow
-def test_an_agent_under_one_run_follows_a_rotation_made_under_another(
+def test_an_agent_under_one_run_needs_a_new_run_after_a_rotation_made_under_another(
     headless: Headless, home: Path, passfile: Path, tmp_path: Path
 ) -> None:
-    """Runs may overlap: each has its own daemon over the same keyring file."""
+    """Runs may overlap, each with its own daemon over the same keyring file, but a
+    daemon does not show an entry another daemon added while it runs: after a `rotate`
+    under one run, an agent under another fails cleanly (no key for the new version,
+    nothing written) until it is started again under a new run."""
     assert headless("init", passfile=passfile).code == 0
     ready, go = tmp_path / "ready", tmp_path / "go"
     agent = f"""
-import asyncio, pathlib, time, vault
+import asyncio, pathlib, sys, time, vault
 s = vault.open_session("agent")
 asyncio.run(s.add_items([{{"role": "user", "content": "before"}}]))
 pathlib.Path({str(ready)!r}).touch()
 while not pathlib.Path({str(go)!r}).exists():
     time.sleep(0.05)
-asyncio.run(s.add_items([{{"role": "user", "content": "after"}}]))
+try:
+    asyncio.run(s.add_items([{{"role": "user", "content": "after"}}]))
+except vault.VaultError as exc:
+    sys.exit(f"agent: {{exc.message}}")
 print([i["content"] for i in asyncio.run(s.get_items())])
 """
     result: list[CLIResult] = []
@@ -228,7 +234,12 @@ print([i["content"] for i in asyncio.run(s.get_items())])
         go.touch()
         worker.join(300)
     (agent_run,) = result
-    assert agent_run.code == 0 and agent_run.out.strip() == "['before', 'after']", agent_run
-    r = headless("show", "agent", passfile=passfile)
-    assert r.code == 0 and "after" in r.out, r
+    assert agent_run.code != 0 and "has no key" in agent_run.err, agent_run
+    assert "Traceback" not in agent_run.err, agent_run
+    # Nothing was half-written, and a new run reads and writes under the new key.
+    r = headless("--json", "show", "agent", passfile=passfile)
+    assert r.code == 0 and [i["content"] for i in r.json()["items"]] == ["before"], r
+    again = agent.replace("while not", "if not").replace("time.sleep(0.05)", "pass")
+    r = headless("--", sys.executable, "-c", again, passfile=passfile)
+    assert r.code == 0 and r.out.strip() == "['before', 'before', 'after']", r
     assert_nothing_left_running(home, tmp_path / "tmp")
