@@ -337,3 +337,9 @@ def test_the_export_is_streamed_not_built_in_memory(
     assert (result.items, result.sessions) == (61, ["a", "b"])
     assert on_disk_before_b and on_disk_before_b[0] >= 64 * 1024
     assert len(jsonl(out)) == 61
+
+
+def test_the_cli_offers_exactly_the_formats_the_library_writes() -> None:
+    from vault import cli_data, export
+
+    assert cli_data.FORMATS == export.FORMATS

@@ -11,7 +11,6 @@ is opened.
 from __future__ import annotations
 
 import os
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from .errors import VaultError
@@ -23,11 +22,19 @@ if TYPE_CHECKING:
     from .session import VaultSession
 
 __all__ = ["Vault", "VaultError", "open_session", "__version__"]
-try:
-    # One source for the version: pyproject.toml, through the installed metadata.
-    __version__ = version("memvault")
-except PackageNotFoundError:  # imported from a source tree that was never installed
-    __version__ = "0+unknown"
+
+
+def __getattr__(name: str) -> str:
+    # One source for the version: pyproject.toml, through the installed metadata. Looked
+    # up on first use: importing importlib.metadata costs every command ~20 ms otherwise.
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("memvault")
+        except PackageNotFoundError:  # a source tree that was never installed
+            return "0+unknown"
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_session(

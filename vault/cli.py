@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from . import __version__, durations
+from . import durations
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, Interrupted, VaultBusy, VaultError
 from .store import Progress, Vault, lock_timeout
 
@@ -117,8 +117,23 @@ def _remember_json(ctx: click.Context, _param: click.Parameter, value: bool) -> 
         ctx.ensure_object(State).json = True
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        from . import __version__  # the installed metadata, read only when asked
+
+        click.echo(f"memvault, version {__version__}")
+        ctx.exit()
+
+
 def common(fn: F) -> F:
-    fn = click.version_option(__version__, "--version", prog_name="memvault")(fn)
+    fn = click.option(
+        "--version",
+        is_flag=True,
+        expose_value=False,
+        is_eager=True,
+        callback=_show_version,
+        help="Show the version and exit.",
+    )(fn)
     fn = click.option(
         "--json",
         "as_json",
