@@ -21,7 +21,7 @@ from typing import Any
 
 from . import files, paths, testhooks
 from .errors import BadInput, NotAVault, OperationFailed, VaultBusy, VaultCorrupt, VaultError
-from .schema import GUARD_MESSAGE, SHRED_MAGIC, SQLITE_MAGIC, utcnow
+from .schema import GUARD_MESSAGE, MESSAGES_TABLE, SHRED_MAGIC, SQLITE_MAGIC, utcnow
 
 ENV_LOCK_TIMEOUT = "MEMVAULT_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 120.0
@@ -377,3 +377,26 @@ class VaultFile:
                     return False
                 raise
         return True
+
+
+BATCH_ROWS = 1000
+
+
+def row_batches(conn: sqlite3.Connection) -> Iterator[list[tuple[int, str, str]]]:
+    """Every item row as (id, session_id, message_data), in id order, BATCH_ROWS at a time.
+
+    Memory stays flat whatever the size of the vault. Each batch is read after the caller
+    is done with the previous one, so the caller may update or delete its rows in between
+    (in the same transaction: the scan resumes after the last id it returned).
+    """
+    last = -1
+    while True:
+        batch = conn.execute(
+            f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+            "WHERE id > ? ORDER BY id LIMIT ?",
+            (last, BATCH_ROWS),
+        ).fetchall()
+        if not batch:
+            return
+        yield batch
+        last = batch[-1][0]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import crypto, keyjournal, legacy, testhooks
-from .db import VaultFile, audit, read_meta, set_meta
+from .db import VaultFile, audit, read_meta, row_batches, set_meta
 from .errors import Interrupted, KeyProblem, KeyRevoked, VaultBusy
 from .files import Progress
 from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, entry_name
@@ -264,15 +264,7 @@ class KeyLifecycle(VaultFile):
                 set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
                 keyjournal.record(conn, old.kid, RETIRED)
                 keyjournal.record(conn, new.kid, CURRENT)
-                last = -1
-                while True:
-                    batch = conn.execute(
-                        f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
-                        "WHERE id > ? ORDER BY id LIMIT 1000",
-                        (last,),
-                    ).fetchall()
-                    if not batch:
-                        break
+                for batch in row_batches(conn):
                     updates = []
                     for row_id, sid, data in batch:
                         sessions.add(sid)
@@ -288,7 +280,6 @@ class KeyLifecycle(VaultFile):
                     conn.executemany(
                         f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ?", updates
                     )
-                    last = batch[-1][0]
                     if progress:
                         progress(len(batch))
                     testhooks.failpoint("in-transaction")

@@ -31,6 +31,7 @@ from .db import (
     parse_ttl,
     read_meta,
     refuse_odd_side_files,
+    row_batches,
     set_meta,
 )
 from .errors import (
@@ -494,15 +495,7 @@ class Vault(KeyLifecycle):
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
             current = int(time.time()) if now is None else now
-            last = -1
-            while True:
-                batch = conn.execute(
-                    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
-                    "WHERE id > ? ORDER BY id LIMIT 1000",
-                    (last,),
-                ).fetchall()
-                if not batch:
-                    break
+            for batch in row_batches(conn):
                 doomed = []
                 for row_id, sid, data in batch:
                     state = sealer.state(sid, data, ttl, current)
@@ -514,7 +507,6 @@ class Vault(KeyLifecycle):
                         kept += 1
                 conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
                 deleted += len(doomed)
-                last = batch[-1][0]
                 if progress:
                     progress(len(batch))
             testhooks.failpoint("purge-in-transaction")
