@@ -829,6 +829,62 @@ with open(sys.argv[1], "w") as fh:
 """
 
 
+# An agent in another process, writing one item every 20 ms through vault.open_session:
+# how long each add_items() took, and which were refused, while a rotation runs.
+WRITER = """
+import asyncio, json, sys, time
+from pathlib import Path
+import vault
+db, ready, stop, out = sys.argv[1:5]
+session = vault.open_session("writer", db)
+waits, errors = [], []
+async def main():
+    await session.add_items([{"role": "user", "content": "warm-up"}])
+    Path(ready).touch()
+    i = 0
+    while not Path(stop).exists():
+        t = time.perf_counter()
+        try:
+            await session.add_items([{"role": "user", "content": f"turn {i}"}])
+            waits.append(time.perf_counter() - t)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        i += 1
+        await asyncio.sleep(0.02)
+asyncio.run(main())
+session.close()
+Path(out).write_text(json.dumps({"waits": waits, "errors": errors}))
+"""
+
+
+def writer_during(db: str, env: dict[str, str], cmd: list[str]) -> tuple[float, dict[str, Any]]:
+    """Run `cmd` (a rotation) while a writer process appends items to `db`: the command's
+    wall seconds and the writer's {"waits": [seconds per add_items], "errors": [...]}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ready, stop, out = (Path(tmp) / name for name in ("ready", "stop", "out.json"))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, db, str(ready), str(stop), str(out)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            while not ready.exists():  # the SDK's import takes seconds
+                if proc.poll() is not None:
+                    _o, err = proc.communicate()
+                    raise RuntimeError(f"the writer failed: {err}")
+                time.sleep(0.05)
+            time.sleep(0.5)  # some writes before the rotation, for the median
+            secs, _peak, _out = timed_child(cmd, env)
+            time.sleep(0.5)
+        finally:
+            stop.touch()
+        _o, err = proc.communicate(timeout=300)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the writer failed ({proc.returncode}): {err}")
+        return secs, json.loads(out.read_text())
+
+
 def timed_child(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
     """Wall seconds, peak RSS (bytes) and stdout of one command, measured by a launcher."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -1085,6 +1141,27 @@ def bench_rotation(cfg: Config, ws: Workspace) -> None:
             target="report ratio",
             note="dd if=/dev/zero conv=notrunc,fsync over a file of the vault's size",
             samples={"memvault": shred_times, "dd same bytes, fsync": dd_times},
+        )
+    )
+    # Last: the writer's items change the vault the figures above count on.
+    print(f"rotating {n:,} items with a writer in another process ...", flush=True)
+    secs, writes = writer_during(str(v.path), env, cmd)
+    waits = writes["waits"]
+    record(
+        Figure(
+            key=f"writer_wait_rotate_{n}",
+            label=f"longest `add_items` of a writer in another process while {n:,} items rotate",
+            unit="s",
+            memvault=max(waits) if waits else None,
+            comparisons={
+                "the rotation's wall time": secs,
+                "median add_items": statistics.median(waits) if waits else None,
+            },
+            note=(
+                f"{len(waits)} writes, {len(writes['errors'])} refused"
+                + (f" ({writes['errors'][0]})" if writes["errors"] else "")
+                + "; the rotation holds the write lock for its whole transaction"
+            ),
         )
     )
 
