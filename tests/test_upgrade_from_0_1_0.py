@@ -18,7 +18,7 @@ import signal
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -34,9 +34,16 @@ def vault_id_of(entries: dict[str, str]) -> str:
     return min(entries, key=len)  # `<vault_id>`, beside `<vault_id>.next`
 
 
+class OldVault(NamedTuple):
+    db: Path  # a copy of the fixture's history.db
+    expected: Any  # {session_id: [items]}
+    vault_id: str
+    key: str  # the key of the kid the file names
+
+
 @pytest.fixture
-def old_vault(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, Any]]:
-    """(copy of the fixture's history.db, its expected items), keyring entries loaded."""
+def old_vault(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OldVault]:
+    """A copy of one 0.1.0 fixture, its keyring entries loaded (and removed afterwards)."""
     folder = FIXTURES / request.param
     entries: dict[str, str] = json.loads((folder / "keyring.json").read_text())
     expected = json.loads((folder / "expected.json").read_text(encoding="utf-8"))
@@ -49,8 +56,9 @@ def old_vault(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[
     ks = KeyStore()
     for username, secret in entries.items():
         ks.set(username, secret)
+    key = next(k for k in entries.values() if crypto.key_id(k) == meta_of(copy)["kid"])
     try:
-        yield copy, expected
+        yield OldVault(copy, expected, vault_id_of(entries), key)
     finally:
         for name in keyring_entries(vault_id_of(entries)):
             ks.delete(name)
@@ -60,8 +68,8 @@ LAYOUTS = ["", "mid_rotation"]
 
 
 @pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
-def test_a_0_1_0_vault_reads_every_item(old_vault: tuple[Path, Any]) -> None:
-    db, expected = old_vault
+def test_a_0_1_0_vault_reads_every_item(old_vault: OldVault) -> None:
+    db, expected = old_vault.db, old_vault.expected
     total = sum(len(items) for items in expected.values())
     assert total > 0
 
@@ -100,14 +108,8 @@ def assert_moved(db: Path, vault_id: str, key: str) -> None:
 
 
 @pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
-def test_the_first_open_moves_the_key_to_its_version_entry(
-    old_vault: tuple[Path, Any], request: pytest.FixtureRequest
-) -> None:
-    db, expected = old_vault
-    folder = FIXTURES / request.node.callspec.params["old_vault"]
-    entries = json.loads((folder / "keyring.json").read_text())
-    vault_id = vault_id_of(entries)
-    key = next(k for k in entries.values() if crypto.key_id(k) == meta_of(db)["kid"])
+def test_the_first_open_moves_the_key_to_its_version_entry(old_vault: OldVault) -> None:
+    db, expected, vault_id, key = old_vault
     assert meta_of(db)["format"] == "memvault/1"
 
     r = run_cli("--db", str(db), "--json", "key", "list")
@@ -130,13 +132,9 @@ MOVE_STEPS = ["upgrade-after-store", "upgrade-after-commit", "tidy-after-delete"
 @pytest.mark.parametrize("point", MOVE_STEPS)
 @pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
 def test_a_move_killed_at_any_step_leaves_a_vault_that_opens(
-    old_vault: tuple[Path, Any], request: pytest.FixtureRequest, point: str
+    old_vault: OldVault, point: str
 ) -> None:
-    db, expected = old_vault
-    folder = FIXTURES / request.node.callspec.params["old_vault"]
-    entries = json.loads((folder / "keyring.json").read_text())
-    vault_id = vault_id_of(entries)
-    key = next(k for k in entries.values() if crypto.key_id(k) == meta_of(db)["kid"])
+    db, expected, vault_id, key = old_vault
 
     r = run_cli("--db", str(db), "status", env={"MEMVAULT_FAILPOINT": point})
     assert r.code == -signal.SIGKILL, r
@@ -151,16 +149,12 @@ def test_a_move_killed_at_any_step_leaves_a_vault_that_opens(
 
 
 @pytest.mark.parametrize("old_vault", [""], indirect=True, ids=["settled"])
-def test_a_dead_rotations_pending_key_goes_with_the_move(
-    old_vault: tuple[Path, Any], request: pytest.FixtureRequest
-) -> None:
+def test_a_dead_rotations_pending_key_goes_with_the_move(old_vault: OldVault) -> None:
     """0.1.0 left `.next` behind when a rotation died before its commit: no row uses it."""
-    db, _ = old_vault
-    entries = json.loads((FIXTURES / "keyring.json").read_text())
-    vault_id = vault_id_of(entries)
+    db, _, vault_id, key = old_vault
     KeyStore().set(vault_id + ".next", crypto.generate_key())
     assert len(keyring_entries(vault_id)) == 2
 
     r = run_cli("--db", str(db), "--json", "status")
     assert r.code == 0 and r.json()["key"] == "present and matching", r
-    assert_moved(db, vault_id, entries[vault_id])
+    assert_moved(db, vault_id, key)
