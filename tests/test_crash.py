@@ -429,6 +429,20 @@ def test_killed_again_while_recovering(big: BigVault) -> None:
     assert outcome.rotated
 
 
+class Interleaving(KeyStore):
+    """A keystore that runs `before_delete` once, just as it is about to delete an entry."""
+
+    def __init__(self, before_delete: Callable[[], None]) -> None:
+        super().__init__()
+        self.before_delete: Callable[[], None] | None = before_delete
+
+    def delete(self, name: str) -> bool:
+        hook, self.before_delete = self.before_delete, None
+        if hook is not None:
+            hook()
+        return super().delete(name)
+
+
 def test_a_rotation_during_another_ones_clean_up_is_never_stranded(big: BigVault) -> None:
     """A second rotation, started while the first deletes its old key and killed right
     after its own commit, must not lose its key to either one's clean-up."""
@@ -436,14 +450,10 @@ def test_a_rotation_during_another_ones_clean_up_is_never_stranded(big: BigVault
     env = {"MEMVAULT_FAILPOINT": "after-commit", "MEMVAULT_LOCK_TIMEOUT": "2"}
     second: list[Any] = []
 
-    class Interleaving(KeyStore):
-        def delete(self, name: str) -> bool:
-            if not second:
-                # The first rotation committed: a second one runs now.
-                second.append(run_cli("--db", str(big.db), "rotate", env=env))
-            return super().delete(name)
+    def rotate_again() -> None:  # the first rotation committed: a second one runs now
+        second.append(run_cli("--db", str(big.db), "rotate", env=env))
 
-    first = Vault.open(big.db, keystore=Interleaving())
+    first = Vault.open(big.db, keystore=Interleaving(rotate_again))
     first.rotate()
     assert second, "the interleaving hook never ran"
     assert second[0].code == KILLED, second[0]  # it ran to its own commit
@@ -454,17 +464,16 @@ def test_a_rotation_during_another_ones_clean_up_is_never_stranded(big: BigVault
 
 def _revoke_hook(big: BigVault, results: list[Any]) -> Callable[[], None]:
     def hook() -> None:
-        if not results:
-            results.append(
-                run_cli(
-                    "--db",
-                    str(big.db),
-                    "--json",
-                    "revoke",
-                    "--yes",
-                    env={"MEMVAULT_LOCK_TIMEOUT": "2"},
-                )
+        results.append(
+            run_cli(
+                "--db",
+                str(big.db),
+                "--json",
+                "revoke",
+                "--yes",
+                env={"MEMVAULT_LOCK_TIMEOUT": "2"},
             )
+        )
 
     return hook
 
@@ -473,14 +482,8 @@ def test_a_revoke_during_a_rotations_clean_up_leaves_no_key(big: BigVault) -> No
     """Revoke while a committed rotation deletes its old key: no key may come back."""
     restore(big)
     revoke: list[Any] = []
-    hook = _revoke_hook(big, revoke)
-
-    class Interleaving(KeyStore):
-        def delete(self, name: str) -> bool:
-            hook()  # a revoke runs just as the rotation deletes the retired key
-            return super().delete(name)
-
-    rotator = Vault.open(big.db, keystore=Interleaving())
+    # A revoke runs just as the rotation deletes the retired key.
+    rotator = Vault.open(big.db, keystore=Interleaving(_revoke_hook(big, revoke)))
     with contextlib.suppress(Exception):
         rotator.rotate()
     assert revoke and revoke[0].code == 0, revoke
@@ -495,14 +498,8 @@ def test_a_revoke_during_the_next_opens_clean_up_waits_or_wins(big: BigVault) ->
     assert r.code == KILLED, r
     assert len(keyring_entries(big.vault_id)) == 2  # the new key's and the retired one's
     revoke: list[Any] = []
-    hook = _revoke_hook(big, revoke)
-
-    class Interleaving(KeyStore):
-        def delete(self, name: str) -> bool:
-            hook()  # a revoke runs just as this open deletes the retired key
-            return super().delete(name)
-
-    opener = Vault.open(big.db, keystore=Interleaving())
+    # A revoke runs just as this open deletes the retired key.
+    opener = Vault.open(big.db, keystore=Interleaving(_revoke_hook(big, revoke)))
     with contextlib.suppress(Exception):
         opener.sealer()
     assert revoke, "the interleaving hook never ran"
