@@ -4,7 +4,9 @@
 - `crypto.rotate_row_stamped` makes what `MultiFernet([new, old]).rotate` makes: the
   same plaintext, the same timestamp, a row the SDK's format accepts;
 - `schema.ITEM_TIME`, the SQL that reads a token's timestamp for `status`, agrees
-  with Fernet's own timestamp;
+  with Fernet's own timestamp, and so does the window `schema.ITEM_WINDOW` indexes;
+- `status` counts exactly the items whose timestamps are before the cut-off, on
+  either side of it within one window and across windows;
 - `purge` reads in batches and still deletes exactly the expired items.
 """
 
@@ -24,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import insert_sealed, rows, user
 from vault import crypto
-from vault.schema import ITEM_TIME
+from vault.schema import ITEM_TIME, ITEM_WINDOW, WINDOW_SECONDS, window_start
 
 OLD = crypto.Sealer(crypto.generate_key())
 NEW = crypto.Sealer(crypto.generate_key())
@@ -100,11 +102,37 @@ def test_item_time_sql_reads_the_token_timestamp(ts: int) -> None:
             assert got.fetchone()[0] == ts
 
 
+@settings(max_examples=100, deadline=None)
+@given(ts=st.integers(min_value=0, max_value=2**36 - 1))
+def test_item_window_sql_names_the_window_of_the_token_timestamp(ts: int) -> None:
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        row = OLD.seal("s", {"n": 1}, ts)
+        chars = conn.execute(f"SELECT {ITEM_WINDOW} FROM (SELECT ? AS message_data)", (row,))
+        assert window_start(chars.fetchone()[0]) == ts - ts % WINDOW_SECONDS
+
+
+def test_status_counts_exactly_the_items_before_the_cut_off(vault: Any, vault_db: Path) -> None:
+    start = 1_800_000_000 - 1_800_000_000 % WINDOW_SECONDS
+    cutoff = start + WINDOW_SECONDS - 100  # late in its window: the next one starts before now
+    now = cutoff + 3600  # the vault's TTL is 1h
+    times = [cutoff - 3 * WINDOW_SECONDS, cutoff - WINDOW_SECONDS, start, cutoff - 2, cutoff - 1]
+    times += [cutoff, cutoff + 1, start + WINDOW_SECONDS, now]
+    for i, at in enumerate(times):
+        insert_sealed(vault_db, "s", [user(f"item {i}")] * (i + 1), at)
+    want = sum(i + 1 for i, at in enumerate(times) if at < cutoff)
+    (info,) = vault.sessions(now=now)
+    assert (info.items, info.expired_unverified) == (sum(range(1, len(times) + 1)), want)
+    items, expired, unreadable = vault.items("s", now=now)  # authenticated: the same count
+    assert (expired, unreadable) == (want, 0)
+
+
 def test_item_time_sql_is_null_for_rows_without_a_token() -> None:
     with contextlib.closing(sqlite3.connect(":memory:")) as conn:
         for row in ("{not json", json.dumps(user("plain")), ""):
             got = conn.execute(f"SELECT {ITEM_TIME} FROM (SELECT ? AS message_data)", (row,))
             assert got.fetchone()[0] is None
+            got = conn.execute(f"SELECT {ITEM_WINDOW} FROM (SELECT ? AS message_data)", (row,))
+            assert window_start(got.fetchone()[0]) is None
 
 
 def test_purge_across_batches_deletes_exactly_the_expired(vault: Any, vault_db: Path) -> None:

@@ -162,6 +162,38 @@ def m006_item_time_index(conn: sqlite3.Connection) -> None:
     )
 
 
+# The token's timestamp to the window of 4,096 s that holds it: its characters 7-10
+# (bits 35-12), left in base64. Two string functions a row, where ITEM_TIME takes
+# nineteen: the index is rebuilt for every row a rotation rewrites, and m006's index
+# of ITEM_TIME cost a rotation a fifth of its time. `status` counts whole windows from
+# this index and reads only the rows of the one window that holds the cut-off.
+ITEM_WINDOW = f"(CASE WHEN {_TOKEN_AT} > 0 THEN substr(message_data, {_TOKEN_AT} + 7, 4) END)"
+ITEM_WINDOW_INDEX = "memvault_item_window"
+WINDOW_SECONDS = 1 << 12
+
+
+def window_start(chars: str | None) -> int | None:
+    """The first second of the window ITEM_WINDOW's characters name (None: no token)."""
+    if chars is None or len(chars) != 4:
+        return None
+    value = 0
+    for ch in chars:
+        digit = _B64_ALPHABET.find(ch)
+        if digit < 0:
+            return None
+        value = value << 6 | digit
+    return value * WINDOW_SECONDS
+
+
+@migration
+def m007_item_window_index(conn: sqlite3.Connection) -> None:
+    conn.execute(f"DROP INDEX IF EXISTS {ITEM_TIME_INDEX}")
+    conn.execute(
+        f"CREATE INDEX IF NOT EXISTS {ITEM_WINDOW_INDEX} "
+        f"ON {MESSAGES_TABLE} (session_id, {ITEM_WINDOW})"
+    )
+
+
 def migrate(conn: sqlite3.Connection) -> list[str]:
     """Apply the migrations not yet recorded; the caller holds a write transaction."""
     conn.execute(

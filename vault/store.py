@@ -54,13 +54,16 @@ from .schema import (
     DEFAULT_TTL,
     FORMAT,
     ITEM_TIME,
-    ITEM_TIME_INDEX,
+    ITEM_WINDOW,
+    ITEM_WINDOW_INDEX,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
     SESSIONS_TABLE,
+    WINDOW_SECONDS,
     migrate,
     needs_migration,
     utcnow,
+    window_start,
 )
 from .shred import shred, shred_target
 
@@ -278,12 +281,31 @@ class Vault(KeyLifecycle):
             cutoff = (int(time.time()) if now is None else now) - ttl
             for info in infos.values():
                 if info.items:
-                    info.expired_unverified = conn.execute(
-                        f"SELECT count(*) FROM {MESSAGES_TABLE} INDEXED BY {ITEM_TIME_INDEX} "
-                        f"WHERE session_id = ? AND {ITEM_TIME} < ?",
-                        (info.session_id, cutoff),
-                    ).fetchone()[0]
+                    info.expired_unverified = self._count_expired(conn, info.session_id, cutoff)
         return sorted(infos.values(), key=lambda i: i.session_id)
+
+    @staticmethod
+    def _count_expired(conn: sqlite3.Connection, session_id: str, cutoff: int) -> int:
+        """Items whose token claims a time before `cutoff`: whole windows of the index,
+        and the rows themselves only in the window that holds the cut-off."""
+        expired = 0
+        for chars, n in conn.execute(
+            f"SELECT {ITEM_WINDOW}, count(*) FROM {MESSAGES_TABLE} INDEXED BY {ITEM_WINDOW_INDEX} "
+            "WHERE session_id = ? GROUP BY 1",
+            (session_id,),
+        ).fetchall():
+            start = window_start(chars)
+            if start is None or start >= cutoff:
+                continue
+            if start + WINDOW_SECONDS <= cutoff:
+                expired += n
+            else:
+                expired += conn.execute(
+                    f"SELECT count(*) FROM {MESSAGES_TABLE} INDEXED BY {ITEM_WINDOW_INDEX} "
+                    f"WHERE session_id = ? AND {ITEM_WINDOW} = ? AND {ITEM_TIME} < ?",
+                    (session_id, chars, cutoff),
+                ).fetchone()[0]
+        return expired
 
     def _require_session(self, conn: sqlite3.Connection, session_id: str) -> None:
         found = conn.execute(
