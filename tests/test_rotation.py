@@ -534,6 +534,53 @@ def test_blocked_scrub_is_reported_and_finished_by_next_open(vault: Vault, vault
             assert reopened.items(sid) == (items, 0, 0)
 
 
+WRITER_HOLDING_LOCK = textwrap.dedent(
+    """
+    import sqlite3, sys, time
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("UPDATE agent_sessions SET updated_at = updated_at")
+    print("ready", flush=True)
+    time.sleep(float(sys.argv[2]))
+    conn.execute("COMMIT")
+    conn.close()
+    """
+)
+
+
+def test_a_writer_holding_the_lock_past_the_scrubs_wait_delays_the_scrub_only(
+    vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's write that outlasts the checkpoint's wait (a slow disk, a long turn)
+    is not a reader holding a snapshot: the scrub tries again and finishes."""
+    from vault.db import SCRUB_WAIT
+
+    expected = populate(vault_db)
+    old_tokens = tokens(vault_db)
+    real_scrub = Vault.scrub
+    writers: list[subprocess.Popen[str]] = []
+
+    def scrub_behind_a_long_write(self: Vault) -> bool:
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER_HOLDING_LOCK, str(vault_db), str(SCRUB_WAIT + 1.5)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        writers.append(writer)
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        return real_scrub(self)
+
+    with bystander(vault_db):
+        monkeypatch.setattr(Vault, "scrub", scrub_behind_a_long_write)
+        report = vault.rotate()
+        assert writers and writers[0].wait(timeout=60) == 0
+        assert report.scrubbed is True
+        assert db_meta(vault_db)["scrub_pending"] == "0"
+        assert residue(vault_db, old_tokens) == []
+    for sid, items in expected.items():
+        assert Vault.open(vault_db).items(sid) == (items, 0, 0)
+
+
 def test_blocked_scrub_cli_rotate_exits_5_and_next_rotate_finishes(
     vault: Vault, vault_db: Path
 ) -> None:

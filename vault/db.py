@@ -29,6 +29,8 @@ DEFAULT_LOCK_TIMEOUT = 120.0
 MAX_LOCK_TIMEOUT = 86400.0
 # Checkpoints wait this long for readers before the scrub reports itself incomplete.
 SCRUB_WAIT = 2.0
+# ... and try again as long as each attempt gets further (writers delay, never pin, it).
+SCRUB_ATTEMPTS = 10
 
 
 def lock_timeout() -> float:
@@ -360,11 +362,24 @@ class VaultFile:
         the residue tests are the proof (SECURITY.md, "Scrub").
 
         Returns False, leaving `scrub_pending` set for the next open, when another
-        process's read transaction keeps the checkpoint from finishing.
+        process's read transaction keeps the checkpoint from finishing. An agent writing
+        all along only delays it: each attempt that fails copies more of the WAL, and the
+        attempts go on while they make progress (a reader holding one snapshot stops
+        them at once: the frames after its snapshot cannot be copied while it reads).
         """
         with self.connection(timeout=SCRUB_WAIT) as conn:
             try:
-                if conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
+                seen: tuple[int, int] | None = None
+                for _attempt in range(SCRUB_ATTEMPTS):
+                    busy, wal_frames, copied = conn.execute(
+                        "PRAGMA wal_checkpoint(TRUNCATE)"
+                    ).fetchone()
+                    if not busy:
+                        break
+                    if (wal_frames, copied) == seen:
+                        return False  # no progress: a reader holds its snapshot
+                    seen = (wal_frames, copied)
+                else:
                     return False
                 testhooks.failpoint("during-scrub")
                 conn.execute("BEGIN IMMEDIATE")
