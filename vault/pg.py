@@ -1,0 +1,578 @@
+"""`PgVault`: a vault in a PostgreSQL database (preview), for the commands that support it.
+
+The same vault as a file, only the storage differs: the same key derivation,
+envelope, kid and keyring entries (`<vault_id>/<kid>`, vault.keyjournal), the
+same meta, audit and key-journal rows (vault.pgschema). Supported so far:
+`init`, `status`, `sessions`, `show`, `clear`, and agent sessions
+(vault.pgsession). Every other command refuses a URL in `paths.resolve_db_path`.
+
+The library is synchronous, as `Vault` is; each operation opens one asyncpg
+connection and runs on an event loop of its own (on a helper thread when the
+caller is already inside one, as the agent session's key reload is). asyncpg is
+imported only here, and only when a URL is used. Every message names the vault
+by its redacted URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from . import crypto, durations, keyjournal, pgschema
+from .db import lock_timeout, parse_ttl
+from .errors import (
+    BadInput,
+    ItemsUnreadable,
+    KeyProblem,
+    KeyRevoked,
+    NotAVault,
+    OperationFailed,
+    UnknownSession,
+    VaultBusy,
+    VaultError,
+    VaultExists,
+)
+from .keyjournal import CURRENT, entry_name
+from .keys import KeyStore, require_key
+from .lifecycle import refuse_revoked
+from .pgurl import INSTALL_HINT, PgLocation, parse
+from .results import Cleared, SessionInfo
+from .schema import DEFAULT_TTL, FORMAT, GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+
+T = TypeVar("T")
+CONNECT_TIMEOUT = 30.0
+NOT_APPLICABLE = "not applicable: PostgreSQL"
+# What `clear` says instead of a scrub: PostgreSQL frees a deleted row's space lazily.
+PG_SCRUB_NOTE = (
+    "not applicable on PostgreSQL: the deleted rows' ciphertext stays in the table's pages "
+    "and the server's WAL until PostgreSQL reuses the space (VACUUM); it is ciphertext "
+    "under the vault's key"
+)
+COUNTS_NOTE = (
+    "unverified: items counted and judged expired by their timestamps, without "
+    "authenticating them; `memvault verify` authenticates every item"
+)
+
+
+def require_driver() -> Any:
+    """asyncpg, or one line saying how to install the extra (exit 2)."""
+    try:
+        import asyncpg
+    except ImportError:
+        raise BadInput(f"{INSTALL_HINT}; nothing was changed") from None
+    return asyncpg
+
+
+def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to completion from synchronous code, inside a running loop or not."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    # Called from a coroutine (the agent session reloading its key): a loop of its own,
+    # on a helper thread, so the caller's loop is not re-entered.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, make()).result()
+
+
+def translate(exc: BaseException, loc: PgLocation) -> VaultError:
+    """One user-facing error for each way the server or the driver can fail; no secret.
+
+    Exit codes: a server that cannot be reached, a database or schema that is not there,
+    or a login the server refuses is "no vault at that location" (3): the location cannot
+    be opened as a vault, and the fix is in the URL or the server, not the keyring (4 is
+    the vault's master key). A lock held past MEMVAULT_LOCK_TIMEOUT is busy (5).
+    """
+    where = loc.display
+    state = getattr(exc, "sqlstate", None)
+    text = " ".join(str(exc).split())[:200]
+    if state in ("28P01", "28000"):
+        return NotAVault(
+            f"the PostgreSQL server refused the login for {where} ({text}); check the user "
+            "and password in the URL; nothing was changed"
+        )
+    if state == "3D000":
+        return NotAVault(
+            f"no such database on the server of {where}; create it (createdb) or fix the "
+            "URL; nothing was changed"
+        )
+    if state in ("55P03", "40P01", "40001", "57014"):
+        return VaultBusy(
+            f"{where} is busy: another session holds a lock this one needs ({text}); wait "
+            "for it to finish, or raise MEMVAULT_LOCK_TIMEOUT (seconds)"
+        )
+    if state == "42501":
+        return OperationFailed(
+            f"the PostgreSQL user of {where} lacks a privilege ({text}); grant it, or use "
+            "the vault's owner; nothing was changed"
+        )
+    if state == pgschema.GUARD_SQLSTATE and GUARD_MESSAGE in text:
+        return OperationFailed(f"{GUARD_MESSAGE}; nothing was stored")
+    if state in ("53300", "57P03"):
+        return VaultBusy(f"the PostgreSQL server of {where} is not accepting sessions ({text})")
+    if state is not None:
+        return OperationFailed(f"PostgreSQL error on {where}: {text} (SQLSTATE {state})")
+    if isinstance(exc, OSError | TimeoutError):
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        return NotAVault(
+            f"cannot reach the PostgreSQL server of {where} ({why}); start it, or fix the "
+            "host and port in the URL; nothing was changed"
+        )
+    if isinstance(exc, ValueError):  # asyncpg's own reading of the URL (a bad port...)
+        return BadInput(f"{where} is not a URL memvault can use; nothing was changed")
+    return OperationFailed(f"PostgreSQL connection to {where} failed ({type(exc).__name__})")
+
+
+class PgVault:
+    """A vault in a PostgreSQL database or schema. Open with `PgVault.open` / `PgVault.init`."""
+
+    backend = "postgresql"
+
+    def __init__(self, loc: PgLocation, keystore: KeyStore | None = None) -> None:
+        self.loc = loc
+        self.path = loc.display  # what messages and `status` show: never the password
+        self._keystore = keystore
+        self._sealer: crypto.Sealer | None = None
+
+    @property
+    def keystore(self) -> KeyStore:
+        if self._keystore is None:
+            self._keystore = KeyStore()
+        return self._keystore
+
+    # -- connections ----------------------------------------------------
+    async def _connect(self) -> Any:
+        asyncpg = require_driver()
+        settings = self.loc.server_settings()
+        # PostgreSQL reads 0 as "wait for ever"; memvault's 0 means "do not wait".
+        settings["lock_timeout"] = str(max(1, int(lock_timeout() * 1000)))
+        return await asyncpg.connect(
+            dsn=self.loc.dsn, timeout=CONNECT_TIMEOUT, server_settings=settings
+        )
+
+    def _run(self, body: Callable[[Any], Awaitable[T]], *, write: bool = False) -> T:
+        """`body(conn)` in one transaction (REPEATABLE READ snapshot when reading)."""
+
+        async def go() -> T:
+            conn = await self._connect()
+            try:
+                if write:
+                    async with conn.transaction():
+                        return await body(conn)
+                async with conn.transaction(isolation="repeatable_read", readonly=True):
+                    return await body(conn)
+            finally:
+                await conn.close()
+
+        try:
+            return run_sync(go)
+        except VaultError:
+            raise
+        except Exception as exc:
+            if not _is_driver_error(exc):
+                raise
+            raise translate(exc, self.loc) from None
+
+    async def _read_meta(self, conn: Any) -> dict[str, str]:
+        if await conn.fetchval("SELECT to_regclass('memvault_meta')") is None:
+            raise self._no_vault(await pgschema.current_schema(conn))
+        meta = {r[0]: r[1] for r in await conn.fetch("SELECT key, value FROM memvault_meta")}
+        for required in ("format", "vault_id", "kid"):
+            if required not in meta:
+                raise NotAVault(f"{self.path} lacks the vault's {required}; it is not usable")
+        return meta
+
+    def _no_vault(self, schema: str | None) -> NotAVault:
+        where = f"schema {schema!r} of " if schema else ""
+        return NotAVault(
+            f"no vault in {where}{self.path}; create one with `memvault init`, or point --db / "
+            "MEMVAULT_DB at an existing vault"
+        )
+
+    # -- construction ---------------------------------------------------
+    @classmethod
+    def open(cls, url: str, keystore: KeyStore | None = None) -> PgVault:
+        """Check that the location holds a vault (and migrate it); the key loads when needed."""
+        vault = cls(parse(url), keystore)
+
+        async def check(conn: Any) -> bool:
+            meta = await vault._read_meta(conn)
+            if meta.get("format") != FORMAT:
+                raise NotAVault(
+                    f"{vault.path} has an unknown memvault format {meta.get('format')!r}; "
+                    "upgrade memvault"
+                )
+            return await pgschema.needs_migration(conn)
+
+        if vault._run(check):
+
+            async def upgrade(conn: Any) -> None:
+                schema = await pgschema.current_schema(conn)
+                assert schema is not None
+                await pgschema.lock_schema_changes(conn, schema)
+                await pgschema.migrate(conn, schema)
+
+            vault._run(upgrade, write=True)
+        return vault
+
+    @classmethod
+    def init(
+        cls, url: str, ttl: int | None = DEFAULT_TTL, keystore: KeyStore | None = None
+    ) -> PgVault:
+        """Create the tables and a random master key; refuse if a vault or the SDK's tables
+        are already there."""
+        vault = cls(parse(url), keystore)
+        ks = vault.keystore
+        ks.check_usable()
+        key = crypto.generate_key()
+        kid = crypto.key_id(key)
+        vault_id = "mv-" + secrets.token_hex(12)
+
+        async def create(conn: Any) -> None:
+            if vault.loc.schema:
+                await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {pgschema._q(vault.loc.schema)}")
+            schema = await pgschema.current_schema(conn)
+            if schema is None:
+                raise OperationFailed(
+                    f"{vault.path} has no schema to create the vault in (the search_path "
+                    "names none that exists); add ?schema=NAME to the URL"
+                )
+            await pgschema.lock_schema_changes(conn, schema)
+            if await conn.fetchval("SELECT to_regclass('memvault_meta')") is not None:
+                raise VaultExists(
+                    f"a vault already exists in schema {schema!r} of {vault.path}; nothing was "
+                    "changed (`memvault status` describes it)"
+                )
+            for table in (SESSIONS_TABLE, MESSAGES_TABLE):
+                if await conn.fetchval("SELECT to_regclass($1)", table) is not None:
+                    raise VaultExists(
+                        f"schema {schema!r} of {vault.path} already has a {table} table that "
+                        "is not a memvault vault's; memvault will not take it over; give the "
+                        "vault a schema of its own with ?schema=NAME"
+                    )
+            # The key goes in first: a failure after it leaves an unused keyring entry
+            # (deleted below), never a vault without its key.
+            ks.set(entry_name(vault_id, kid), key)
+            await pgschema.migrate(conn, schema)
+            now = utcnow()
+            meta = {
+                "format": FORMAT,
+                "vault_id": vault_id,
+                "kid": kid,
+                "ttl_seconds": "never" if ttl is None else str(ttl),
+                "created_at": now,
+                "rotated_at": now,
+            }
+            await conn.executemany(
+                "INSERT INTO memvault_meta (key, value) VALUES ($1, $2)", list(meta.items())
+            )
+            await record_key(conn, kid, CURRENT)
+            await audit(conn, "init", kid, ttl=durations.format_duration(ttl))
+
+        try:
+            vault._run(create, write=True)
+        except BaseException:
+            with contextlib.suppress(VaultError):
+                ks.delete(entry_name(vault_id, kid))
+            raise
+        vault._sealer = crypto.Sealer(key)
+        return vault
+
+    # -- meta and key ---------------------------------------------------
+    def meta(self) -> dict[str, str]:
+        return self._run(self._read_meta)
+
+    @property
+    def vault_id(self) -> str:
+        return self.meta()["vault_id"]
+
+    @property
+    def ttl(self) -> int | None:
+        return parse_ttl(self.meta(), self.path)  # type: ignore[arg-type]
+
+    def sealer(self, refresh: bool = False) -> crypto.Sealer:
+        """The sealer of the key the vault uses now: the entry `<vault_id>/<kid>`."""
+        if self._sealer is not None and not refresh:
+            return self._sealer
+        ks = self.keystore
+        ks.check_usable()
+        for _attempt in range(5):
+            meta = self.meta()
+            refuse_revoked(meta)
+            vault_id, kid = meta["vault_id"], meta["kid"]
+            key = ks.get(entry_name(vault_id, kid))
+            if key is None and self.meta()["kid"] != kid:
+                continue  # a rotation committed and dropped that entry meanwhile
+            self._sealer = crypto.Sealer(require_key(key, vault_id, kid, ks.name))
+            return self._sealer
+        raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
+
+    def _fresh_sealer(self, kid: str, sealer: crypto.Sealer) -> crypto.Sealer:
+        return sealer if kid == sealer.kid else self.sealer(refresh=True)
+
+    # -- reading --------------------------------------------------------
+    async def _count(self, conn: Any, ttl: int | None, now: int | None) -> list[SessionInfo]:
+        infos: dict[str, SessionInfo] = {}
+        for sid, updated in await conn.fetch(
+            'SELECT session_id, to_char(updated_at, \'YYYY-MM-DD"T"HH24:MI:SS"Z"\') '
+            f"FROM {SESSIONS_TABLE}"
+        ):
+            infos[sid] = SessionInfo(sid, 0, updated_at=updated)
+        cutoff = None if ttl is None else (int(time.time()) if now is None else now) - ttl
+        for sid, n, expired in await conn.fetch(
+            f"SELECT session_id, count(*), count(*) FILTER (WHERE {pgschema.ITEM_TIME} < $1) "
+            f"FROM {MESSAGES_TABLE} GROUP BY session_id",
+            cutoff,
+        ):
+            info = infos.setdefault(sid, SessionInfo(sid, 0))
+            info.items = n
+            info.expired_unverified = expired if cutoff is not None else 0
+        return sorted(infos.values(), key=lambda i: i.session_id)
+
+    def sessions(self, now: int | None = None) -> list[SessionInfo]:
+        """One row per session, counted in SQL (unverified, as `Vault.sessions`)."""
+        self.sealer()
+
+        async def read(conn: Any) -> list[SessionInfo]:
+            meta = await self._read_meta(conn)
+            return await self._count(conn, parse_ttl(meta, self.path), now)  # type: ignore[arg-type]
+
+        return self._run(read)
+
+    def session_ids(self) -> list[str]:
+        return [i.session_id for i in self.sessions()]
+
+    async def _require_session(self, conn: Any, session_id: str) -> None:
+        found = await conn.fetchval(
+            f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = $1 UNION ALL "
+            f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = $1 LIMIT 1",
+            session_id,
+        )
+        if not found:
+            raise UnknownSession(
+                f"no session {session_id!r} in {self.path}; `memvault sessions` lists them"
+            )
+
+    def items(
+        self, session_id: str, limit: int | None = None, now: int | None = None
+    ) -> tuple[list[Any], int, int]:
+        """(readable items oldest first, expired count, unreadable count), as `Vault.items`."""
+        if limit is not None and limit <= 0:
+            raise OperationFailed("limit must be a positive number of items")
+        sealer = self.sealer()
+        for _attempt in range(50):
+
+            async def read(conn: Any) -> tuple[str, int | None, list[str]]:
+                meta = await self._read_meta(conn)
+                await self._require_session(conn, session_id)
+                rows = await conn.fetch(
+                    f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
+                    "ORDER BY created_at DESC, id DESC LIMIT $2",
+                    session_id,
+                    limit,
+                )
+                ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
+                return meta["kid"], ttl, [r[0] for r in rows][::-1]
+
+            # The kid is read in the rows' own snapshot: rows read after a rotation are
+            # opened with the new key, never judged unreadable under the old one.
+            kid, ttl, rows = self._run(read)
+            if kid != sealer.kid:
+                sealer = self.sealer(refresh=True)
+                continue
+            out: list[Any] = []
+            expired = unreadable = 0
+            for data in rows:
+                opened = sealer.open(session_id, data, ttl, now)
+                if opened.state is crypto.ItemState.READABLE:
+                    out.append(opened.item)
+                elif opened.state is crypto.ItemState.EXPIRED:
+                    expired += 1
+                else:
+                    unreadable += 1
+            return out, expired, unreadable
+        raise VaultBusy(f"{self.path} kept changing key while being read; try again")
+
+    def status(self, now: int | None = None) -> dict[str, Any]:
+        """What `memvault status` shows; the file fields say they do not apply."""
+
+        async def read(conn: Any) -> tuple[dict[str, str], str | None, list[SessionInfo]]:
+            meta = await self._read_meta(conn)
+            ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
+            return meta, await pgschema.current_schema(conn), await self._count(conn, ttl, now)
+
+        meta, schema, infos = self._run(read)
+        ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
+        out: dict[str, Any] = {
+            "backend": self.backend,
+            "path": self.path,
+            "schema": schema,
+            "folder_mode": NOT_APPLICABLE,
+            "files": {},
+            "size": NOT_APPLICABLE,
+            "vault_id": meta["vault_id"],
+            "kid": meta["kid"],
+            "ttl": durations.format_duration(ttl),
+            "created_at": meta.get("created_at"),
+            "rotated_at": meta.get("rotated_at"),
+            "scrub_pending": False,
+            "shred_interrupted": False,
+            "keyring": None,
+            "key": None,
+            "sessions": len(infos),
+            "items": sum(i.items for i in infos),
+            "expired_unverified": sum(i.expired_unverified for i in infos),
+            "counts": COUNTS_NOTE,
+        }
+        try:
+            out["keyring"] = self.keystore.name
+            self.sealer()
+            out["key"] = "present and matching"
+        except KeyRevoked:
+            out["key"] = "key revoked"
+        except KeyProblem as exc:
+            out["key"] = "unusable"
+            out["key_problem"] = exc.message
+        return out
+
+    def audit_log(self) -> list[dict[str, Any]]:
+        async def read(conn: Any) -> list[dict[str, Any]]:
+            await self._read_meta(conn)
+            rows = await conn.fetch(
+                "SELECT at, event, kid, details FROM memvault_audit ORDER BY id"
+            )
+            return [{"at": a, "event": e, "kid": k, **json.loads(d)} for a, e, k, d in rows]
+
+        return self._run(read)
+
+    # -- changing -------------------------------------------------------
+    async def _locked_kid(self, conn: Any) -> str:
+        """The current kid, with its row locked against a rotation until the transaction ends."""
+        await self._read_meta(conn)
+        kid: str = await conn.fetchval(
+            "SELECT value FROM memvault_meta WHERE key = 'kid' FOR SHARE"
+        )
+        return kid
+
+    def clear(self, session_id: str, include_unreadable: bool = False) -> Cleared:
+        """Empty one session, as `Vault.clear`: refuses (ItemsUnreadable) items that do not
+        authenticate unless `include_unreadable`. `scrubbed` is True: PostgreSQL has no WAL
+        file of the vault's own to checkpoint (see PG_SCRUB_NOTE)."""
+        sealer = self.sealer()
+        for _attempt in range(5):
+
+            async def change(conn: Any, sealer: crypto.Sealer = sealer) -> Cleared | None:
+                kid = await self._locked_kid(conn)
+                if kid != sealer.kid:
+                    return None  # rotated since the key was loaded: reload it, start again
+                await self._require_session(conn, session_id)
+                rows = await conn.fetch(
+                    f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 FOR UPDATE",
+                    session_id,
+                )
+                unreadable = sum(
+                    sealer.state(session_id, r[0], None) is crypto.ItemState.UNREADABLE
+                    for r in rows
+                )
+                if unreadable and not include_unreadable:
+                    raise ItemsUnreadable(
+                        f"{unreadable} item(s) of session {session_id!r} do not authenticate "
+                        "(tampered, corrupt or under another key); nothing was deleted; to "
+                        f"delete them too, on purpose: memvault clear {session_id} "
+                        "--include-unreadable",
+                        unreadable,
+                    )
+                status = await conn.execute(
+                    f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = $1", session_id
+                )
+                n = int(status.split()[-1])
+                await conn.execute(
+                    f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = $1", session_id
+                )
+                await audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
+                return Cleared(n, unreadable, True)
+
+            result = self._run(change, write=True)
+            if result is not None:
+                return result
+            sealer = self.sealer(refresh=True)
+        raise VaultBusy(f"{self.path} changed key while this command ran; try again")
+
+    def pop_newest(self, session_id: str) -> Any:
+        """Remove and return the session's newest item (the agent session's `pop_item`).
+
+        Authenticated before it is deleted, in the same transaction: an item that does not
+        authenticate stays (OperationFailed). None for an empty session.
+        """
+        sealer = self.sealer()
+        for _attempt in range(5):
+
+            async def change(conn: Any, sealer: crypto.Sealer = sealer) -> tuple[bool, Any]:
+                kid = await self._locked_kid(conn)
+                if kid != sealer.kid:
+                    return False, None
+                row = await conn.fetchrow(
+                    f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
+                    "ORDER BY created_at DESC, id DESC LIMIT 1 FOR UPDATE",
+                    session_id,
+                )
+                if row is None:
+                    return True, None
+                opened = sealer.open(session_id, row[1], None)
+                if opened.state is not crypto.ItemState.READABLE:
+                    raise OperationFailed(
+                        f"the newest item of session {session_id!r} does not authenticate "
+                        "(tampered, corrupt or under another key); nothing was removed"
+                    )
+                await conn.execute(f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", row[0])
+                return True, opened.item
+
+            done, item = self._run(change, write=True)
+            if done:
+                return item
+            sealer = self.sealer(refresh=True)
+        raise VaultBusy(f"{self.path} changed key while this command ran; try again")
+
+    # -- agent sessions -------------------------------------------------
+    def session(self, session_id: str, *, session_settings: Any = None) -> Any:
+        """An `EncryptedSession` over the SDK's SQLAlchemySession (imports the Agents SDK)."""
+        from .pgsession import PgVaultSession
+
+        return PgVaultSession(self, session_id, session_settings=session_settings)
+
+
+def _is_driver_error(exc: BaseException) -> bool:
+    """An error of the connection or the server (translated), not a bug of memvault's."""
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    return (type(exc).__module__ or "").startswith("asyncpg")
+
+
+async def audit(conn: Any, event: str, kid: str | None, **details: Any) -> None:
+    """Append an audit event inside the caller's transaction: counts only, never content."""
+    await conn.execute(
+        "INSERT INTO memvault_audit (at, event, kid, details) VALUES ($1, $2, $3, $4)",
+        utcnow(),
+        event,
+        kid,
+        json.dumps(details, sort_keys=True),
+    )
+
+
+async def record_key(conn: Any, kid: str, state: str) -> None:
+    """Set one key version's state in the journal (vault.keyjournal.record's twin)."""
+    assert state in keyjournal.STATES
+    now = utcnow()
+    await conn.execute(
+        "INSERT INTO memvault_keys (kid, state, created_at, changed_at) VALUES ($1, $2, $3, $3) "
+        "ON CONFLICT (kid) DO UPDATE SET state = excluded.state, changed_at = excluded.changed_at",
+        kid,
+        state,
+        now,
+    )
