@@ -542,7 +542,14 @@ class PgVault:
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:
         """An `EncryptedSession` over the SDK's SQLAlchemySession (imports the Agents SDK)."""
-        from .pgsession import PgVaultSession
+        try:
+            from .pgsession import PgVaultSession
+        except ImportError as exc:
+            if exc.name not in ("sqlalchemy", "asyncpg") and not str(exc.name).startswith(
+                "sqlalchemy."
+            ):
+                raise
+            raise BadInput(f"{INSTALL_HINT}; nothing was changed") from None
 
         return PgVaultSession(self, session_id, session_settings=session_settings)
 
