@@ -8,24 +8,22 @@ same meta, audit and key-journal rows (vault.pgschema). Supported so far:
 
 The library is synchronous, as `Vault` is; each operation opens one asyncpg
 connection and runs on an event loop of its own (on a helper thread when the
-caller is already inside one, as the agent session's key reload is). asyncpg is
-imported only here, and only when a URL is used. Every message names the vault
+caller is already inside one, as the agent session's key reload is; vault.pgconn).
+asyncpg is imported only when a URL is used. Every message names the vault
 by its redacted URL.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import json
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from . import crypto, durations, keyjournal, pgschema
-from .db import lock_timeout, parse_ttl
+from . import crypto, durations, pgschema
+from .db import parse_ttl
 from .errors import (
     BadInput,
     ItemsUnreadable,
@@ -41,12 +39,14 @@ from .errors import (
 from .keyjournal import CURRENT, entry_name
 from .keys import KeyStore, require_key
 from .lifecycle import refuse_revoked
+from .pgconn import connect, is_driver_error, run_sync, translate
+from .pgschema import audit, record_key
 from .pgurl import INSTALL_HINT, PgLocation, parse
 from .results import Cleared, SessionInfo
-from .schema import DEFAULT_TTL, FORMAT, GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .schema import DEFAULT_TTL, FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .store import COUNTS_NOTE
 
 T = TypeVar("T")
-CONNECT_TIMEOUT = 30.0
 NOT_APPLICABLE = "not applicable: PostgreSQL"
 # What `clear` says instead of a scrub: PostgreSQL frees a deleted row's space lazily.
 PG_SCRUB_NOTE = (
@@ -54,79 +54,6 @@ PG_SCRUB_NOTE = (
     "and the server's WAL until PostgreSQL reuses the space (VACUUM); it is ciphertext "
     "under the vault's key"
 )
-COUNTS_NOTE = (
-    "unverified: items counted and judged expired by their timestamps, without "
-    "authenticating them; `memvault verify` authenticates every item"
-)
-
-
-def require_driver() -> Any:
-    """asyncpg, or one line saying how to install the extra (exit 2)."""
-    try:
-        import asyncpg
-    except ImportError:
-        raise BadInput(f"{INSTALL_HINT}; nothing was changed") from None
-    return asyncpg
-
-
-def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a coroutine to completion from synchronous code, inside a running loop or not."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make())
-    # Called from a coroutine (the agent session reloading its key): a loop of its own,
-    # on a helper thread, so the caller's loop is not re-entered.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, make()).result()
-
-
-def translate(exc: BaseException, loc: PgLocation) -> VaultError:
-    """One user-facing error for each way the server or the driver can fail; no secret.
-
-    Exit codes: a server that cannot be reached, a database or schema that is not there,
-    or a login the server refuses is "no vault at that location" (3): the location cannot
-    be opened as a vault, and the fix is in the URL or the server, not the keyring (4 is
-    the vault's master key). A lock held past MEMVAULT_LOCK_TIMEOUT is busy (5).
-    """
-    where = loc.display
-    state = getattr(exc, "sqlstate", None)
-    text = " ".join(str(exc).split())[:200]
-    if state in ("28P01", "28000"):
-        return NotAVault(
-            f"the PostgreSQL server refused the login for {where} ({text}); check the user "
-            "and password in the URL; nothing was changed"
-        )
-    if state == "3D000":
-        return NotAVault(
-            f"no such database on the server of {where}; create it (createdb) or fix the "
-            "URL; nothing was changed"
-        )
-    if state in ("55P03", "40P01", "40001", "57014"):
-        return VaultBusy(
-            f"{where} is busy: another session holds a lock this one needs ({text}); wait "
-            "for it to finish, or raise MEMVAULT_LOCK_TIMEOUT (seconds)"
-        )
-    if state == "42501":
-        return OperationFailed(
-            f"the PostgreSQL user of {where} lacks a privilege ({text}); grant it, or use "
-            "the vault's owner; nothing was changed"
-        )
-    if state == pgschema.GUARD_SQLSTATE and GUARD_MESSAGE in text:
-        return OperationFailed(f"{GUARD_MESSAGE}; nothing was stored")
-    if state in ("53300", "57P03"):
-        return VaultBusy(f"the PostgreSQL server of {where} is not accepting sessions ({text})")
-    if state is not None:
-        return OperationFailed(f"PostgreSQL error on {where}: {text} (SQLSTATE {state})")
-    if isinstance(exc, OSError | TimeoutError):
-        why = getattr(exc, "strerror", None) or type(exc).__name__
-        return NotAVault(
-            f"cannot reach the PostgreSQL server of {where} ({why}); start it, or fix the "
-            "host and port in the URL; nothing was changed"
-        )
-    if isinstance(exc, ValueError):  # asyncpg's own reading of the URL (a bad port...)
-        return BadInput(f"{where} is not a URL memvault can use; nothing was changed")
-    return OperationFailed(f"PostgreSQL connection to {where} failed ({type(exc).__name__})")
 
 
 class PgVault:
@@ -148,13 +75,7 @@ class PgVault:
 
     # -- connections ----------------------------------------------------
     async def _connect(self) -> Any:
-        asyncpg = require_driver()
-        settings = self.loc.server_settings()
-        # PostgreSQL reads 0 as "wait for ever"; memvault's 0 means "do not wait".
-        settings["lock_timeout"] = str(max(1, int(lock_timeout() * 1000)))
-        return await asyncpg.connect(
-            dsn=self.loc.dsn, timeout=CONNECT_TIMEOUT, server_settings=settings
-        )
+        return await connect(self.loc)
 
     def _run(self, body: Callable[[Any], Awaitable[T]], *, write: bool = False) -> T:
         """`body(conn)` in one transaction (REPEATABLE READ snapshot when reading)."""
@@ -175,7 +96,7 @@ class PgVault:
         except VaultError:
             raise
         except Exception as exc:
-            if not _is_driver_error(exc):
+            if not is_driver_error(exc):
                 raise
             raise translate(exc, self.loc) from None
 
@@ -552,34 +473,3 @@ class PgVault:
             raise BadInput(f"{INSTALL_HINT}; nothing was changed") from None
 
         return PgVaultSession(self, session_id, session_settings=session_settings)
-
-
-def _is_driver_error(exc: BaseException) -> bool:
-    """An error of the connection or the server (translated), not a bug of memvault's."""
-    if isinstance(exc, OSError | TimeoutError):
-        return True
-    return (type(exc).__module__ or "").startswith("asyncpg")
-
-
-async def audit(conn: Any, event: str, kid: str | None, **details: Any) -> None:
-    """Append an audit event inside the caller's transaction: counts only, never content."""
-    await conn.execute(
-        "INSERT INTO memvault_audit (at, event, kid, details) VALUES ($1, $2, $3, $4)",
-        utcnow(),
-        event,
-        kid,
-        json.dumps(details, sort_keys=True),
-    )
-
-
-async def record_key(conn: Any, kid: str, state: str) -> None:
-    """Set one key version's state in the journal (vault.keyjournal.record's twin)."""
-    assert state in keyjournal.STATES
-    now = utcnow()
-    await conn.execute(
-        "INSERT INTO memvault_keys (kid, state, created_at, changed_at) VALUES ($1, $2, $3, $3) "
-        "ON CONFLICT (kid) DO UPDATE SET state = excluded.state, changed_at = excluded.changed_at",
-        kid,
-        state,
-        now,
-    )

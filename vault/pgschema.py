@@ -11,8 +11,10 @@ order, under a transaction-scoped advisory lock, and recorded by name.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from . import keyjournal
 from .schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
 
 # The guard's SQLSTATE: check_violation, so that SQLAlchemy reports it as an IntegrityError
@@ -179,3 +181,27 @@ ITEM_TIME = (
     f"('x' || encode(substring(decode(translate({_HEAD12}, '-_', '+/'), 'base64') "
     "FROM 2 FOR 8), 'hex'))::bit(64)::bigint END)"
 )
+
+
+async def audit(conn: Any, event: str, kid: str | None, **details: Any) -> None:
+    """Append an audit event inside the caller's transaction: counts only, never content."""
+    await conn.execute(
+        "INSERT INTO memvault_audit (at, event, kid, details) VALUES ($1, $2, $3, $4)",
+        utcnow(),
+        event,
+        kid,
+        json.dumps(details, sort_keys=True),
+    )
+
+
+async def record_key(conn: Any, kid: str, state: str) -> None:
+    """Set one key version's state in the journal (vault.keyjournal.record's twin)."""
+    assert state in keyjournal.STATES
+    now = utcnow()
+    await conn.execute(
+        "INSERT INTO memvault_keys (kid, state, created_at, changed_at) VALUES ($1, $2, $3, $3) "
+        "ON CONFLICT (kid) DO UPDATE SET state = excluded.state, changed_at = excluded.changed_at",
+        kid,
+        state,
+        now,
+    )

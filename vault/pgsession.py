@@ -27,7 +27,7 @@ from sqlalchemy.pool import NullPool
 
 from .db import lock_timeout
 from .errors import UnknownSession, VaultError
-from .pg import CONNECT_TIMEOUT, translate
+from .pgconn import CONNECT_TIMEOUT, server_settings, translate
 from .schema import GUARD_MESSAGE
 from .session import VaultSession
 
@@ -40,7 +40,7 @@ class VaultSQLAlchemySession(SQLAlchemySession):
 
 
 def _driver_error(exc: BaseException) -> BaseException:
-    """The asyncpg (or OS) error under SQLAlchemy's wrapping, for `pg.translate`."""
+    """The asyncpg (or OS) error under SQLAlchemy's wrapping, for `pgconn.translate`."""
     seen = exc
     for _ in range(5):
         inner = getattr(seen, "orig", None) or seen.__cause__
@@ -65,8 +65,7 @@ class PgVaultSession(VaultSession):
         sealer = vault.sealer()
         self._vault = vault  # type: ignore[assignment]  # the same duck type as Vault
         self._db_path = vault.path  # type: ignore[assignment]  # the redacted URL
-        settings = vault.loc.server_settings()
-        settings["lock_timeout"] = str(max(1, int(lock_timeout() * 1000)))
+        settings = server_settings(vault.loc)
         # NullPool: a connection per operation, so a session object works from any event
         # loop (asyncio.run twice, a new loop per request) instead of a pool tied to one.
         engine = create_async_engine(
