@@ -314,7 +314,7 @@ def test_credentials_are_never_printed(pg_url: str) -> None:
         ("--db", pg_url, "--json", "status"),
         ("--db", pg_url, "sessions"),
         ("--db", pg_url, "--json", "show", "nope"),
-        ("--db", pg_url, "rotate"),  # not supported yet
+        ("--db", pg_url, "rotate"),
         ("--db", pg_url, "shred", "--yes"),
         ("--db", bad, "--json", "status"),
         ("--db", unreachable, "status"),
@@ -346,7 +346,7 @@ def test_exit_codes_on_a_url(pg_url: str) -> None:
     assert run_cli("--db", pg_url, "sessions").out.strip() == "no sessions"
     assert run_cli("--db", pg_url, "show", "nope").code == 1
     assert run_cli("--db", pg_url, "clear", "nope", "--yes").code == 1
-    for command in (["rotate"], ["purge", "--yes"], ["pop", "s"], ["ttl"], ["log"], ["verify"]):
+    for command in (["purge", "--yes"], ["pop", "s"], ["ttl"], ["log"], ["verify"]):
         r = run_cli("--db", pg_url, *command)
         assert r.code == 2, (command, r)
         assert "does not support yet" in r.err and r.err.count("\n") == 1
@@ -461,3 +461,142 @@ def test_commands_on_a_url_do_not_import_the_agents_sdk(pg_vault: Any, pg_url: s
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert "HEAVY: EXIT:0" in proc.stderr, proc.stderr[-1000:]
+
+
+def raw_kids(url: str) -> list[str | None]:
+    from vault.pgrotate import kid_of
+
+    return [kid_of(r["message_data"]) for r in sql(url, "SELECT * FROM agent_messages ORDER BY id")]
+
+
+def entries_left(url: str) -> dict[str, bool]:
+    """Each key version the journal records: whether its keyring entry still exists."""
+    from vault.keyjournal import entry_name
+    from vault.keys import KeyStore
+
+    ks = KeyStore()
+    vault_id = sql(url, "SELECT value FROM memvault_meta WHERE key = 'vault_id'")[0]["value"]
+    return {
+        r["kid"]: ks.get(entry_name(vault_id, r["kid"])) is not None
+        for r in sql(url, "SELECT kid FROM memvault_keys")
+    }
+
+
+def test_online_rotation_serves_readers_and_writers_between_batches(
+    pg_vault: Any, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import asyncpg
+
+    import vault
+    from vault import testhooks
+    from vault.pg import PgVault
+    from vault.schema import GUARD_MESSAGE
+
+    async def write() -> tuple[Any, Any]:
+        other = vault.open_session("s2", pg_url)
+        await other.add_items([{"role": "user", "content": f"other {i}"} for i in range(3)])
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"turn {i}"} for i in range(12)])
+        return s, vault.open_session("s1", pg_url)
+
+    reader, writer = asyncio.run(write())  # both opened before the rotation
+    old_kid = reader._kid
+    reached, go_on = threading.Event(), threading.Event()
+
+    def pause_after_first_batch(name: str) -> None:
+        if name == "pg-rotate-after-batch" and not reached.is_set():
+            reached.set()
+            assert go_on.wait(300)
+
+    monkeypatch.setattr(testhooks, "failpoint", pause_after_first_batch)
+    done: dict[str, Any] = {}
+
+    def rotate() -> None:
+        try:
+            done["report"] = PgVault.open(pg_url).rotate(batch=5)
+        except BaseException as exc:  # reported by the assertions below
+            done["error"] = exc
+
+    worker = threading.Thread(target=rotate)
+    worker.start()
+    try:
+        assert reached.wait(300), done
+        new_kid = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'kid'")[0]["value"]
+        assert new_kid != old_kid
+        assert raw_kids(pg_url) == [new_kid] * 5 + [old_kid] * 10  # one batch moved
+        # The writer still holds the old key: what it would store is refused from the switch
+        # on; it reloads the key and retries under the new one.
+        with pytest.raises(asyncpg.CheckViolationError, match=GUARD_MESSAGE):
+            sql(
+                pg_url,
+                "INSERT INTO agent_messages (session_id, message_data) VALUES ('s1', $1)",
+                args=(json.dumps(writer._wrap({"role": "user", "content": "old key"})),),
+            )
+        assert writer._kid == old_kid
+        asyncio.run(writer.add_items([{"role": "user", "content": "during the rotation"}]))
+        assert writer._kid == new_kid
+        # A reader opened before the rotation reads the whole history, under both keys.
+        items = asyncio.run(reader.get_items())
+        assert [i["content"] for i in items] == [f"turn {i}" for i in range(12)] + [
+            "during the rotation"
+        ]
+        # Another process reads both keys too, and sees the rotation in progress.
+        r = run_cli("--db", pg_url, "--json", "show", "s1")
+        assert r.code == 0, r
+        assert len(r.json()["items"]) == 13 and r.json()["unreadable"] == 0
+        st = run_cli("--db", pg_url, "--json", "status").json()
+        assert st["rotation"] == {"from_kid": old_kid, "done_through_id": 5}
+        # One rotation at a time.
+        r = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_LOCK_TIMEOUT": "1"})
+        assert r.code == 5 and "another rotation" in r.err, r
+    finally:
+        go_on.set()
+        worker.join(300)
+    assert "error" not in done, done
+    counts = done["report"].counts
+    assert (counts["items"], counts["sessions"], counts["unreadable"]) == (15, 2, 0)
+    assert set(raw_kids(pg_url)) == {new_kid}
+    assert entries_left(pg_url) == {old_kid: False, new_kid: True}
+    states = {r["kid"]: r["state"] for r in sql(pg_url, "SELECT kid, state FROM memvault_keys")}
+    assert states == {old_kid: "destroyed", new_kid: "current"}
+    assert "rotation" not in run_cli("--db", pg_url, "--json", "status").json()
+    assert pg_vault.audit_log()[-1]["event"] == "rotate"
+    items, _, bad = PgVault.open(pg_url).items("s1")
+    assert len(items) == 13 and bad == 0
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "pg-rotate-after-record-pending",
+        "pg-rotate-after-pending",
+        "pg-rotate-after-switch",
+        "pg-rotate-after-batch",
+        "pg-rotate-after-finish",
+    ],
+)
+def test_a_rotation_killed_at_any_step_loses_nothing_and_the_next_finishes_it(
+    pg_vault: Any, pg_url: str, point: str
+) -> None:
+    import vault
+
+    async def write() -> None:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"turn {i}"} for i in range(4)])
+
+    asyncio.run(write())
+    r = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_FAILPOINT": point})
+    assert r.code == -9, r  # SIGKILLed at that step
+    r = run_cli("--db", pg_url, "--json", "show", "s1")
+    assert r.code == 0 and len(r.json()["items"]) == 4, r
+    r = run_cli("--db", pg_url, "--json", "rotate")
+    assert r.code == 0, r
+    current = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'kid'")[0]["value"]
+    assert set(raw_kids(pg_url)) == {current}
+    # Every key version but the current one is gone from the keyring.
+    assert entries_left(pg_url) == {k: k == current for k in entries_left(pg_url)}
+    r = run_cli("--db", pg_url, "--json", "show", "s1")
+    assert [i["content"] for i in r.json()["items"]] == [f"turn {i}" for i in range(4)]
+    assert "rotation" not in run_cli("--db", pg_url, "--json", "status").json()

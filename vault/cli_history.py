@@ -114,6 +114,12 @@ def status() -> None:
         click.echo(f"rotated    {st['rotated_at']}")
         if st["scrub_pending"]:
             click.echo("scrub      pending (old bytes may remain until the next command)")
+        if st.get("rotation"):
+            click.echo(
+                f"rotation   in progress from {st['rotation']['from_kid']} (rows up to id "
+                f"{st['rotation']['done_through_id']} done); both keys read; if no rotation "
+                "is running, `memvault rotate` finishes it"
+            )
         if st.get("shred_interrupted"):
             click.echo("shred      interrupted: run `memvault shred` again to finish it")
 

@@ -19,10 +19,10 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar, cast
 
-from . import crypto, durations, pgschema
+from . import crypto, durations, pgrotate, pgschema
 from .db import parse_ttl
 from .errors import (
     BadInput,
@@ -36,23 +36,31 @@ from .errors import (
     VaultError,
     VaultExists,
 )
+from .files import Progress
 from .keyjournal import CURRENT, entry_name
 from .keys import KeyStore, require_key
 from .lifecycle import refuse_revoked
 from .pgconn import connect, is_driver_error, run_sync, translate
 from .pgschema import audit, record_key
 from .pgurl import INSTALL_HINT, PgLocation, parse
-from .results import Cleared, SessionInfo
+from .results import Cleared, Report, SessionInfo
 from .schema import DEFAULT_TTL, FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
 from .store import COUNTS_NOTE
 
 T = TypeVar("T")
+Keys = dict[str, "crypto.Sealer"]
 NOT_APPLICABLE = "not applicable: PostgreSQL"
 # What `clear` says instead of a scrub: PostgreSQL frees a deleted row's space lazily.
 PG_SCRUB_NOTE = (
     "not applicable on PostgreSQL: the deleted rows' ciphertext stays in the table's pages "
     "and the server's WAL until PostgreSQL reuses the space (VACUUM); it is ciphertext "
     "under the vault's key"
+)
+
+PG_ROTATE_NOTE = (
+    "not applicable on PostgreSQL: the old ciphertext stays in dead row versions until "
+    "PostgreSQL reuses the space (VACUUM); it is under the old key, whose keyring entry "
+    "is destroyed"
 )
 
 
@@ -66,6 +74,8 @@ class PgVault:
         self.path = loc.display  # what messages and `status` show: never the password
         self._keystore = keystore
         self._sealer: crypto.Sealer | None = None
+        # The key a running rotation moves rows from (vault.pgrotate), by kid, once loaded.
+        self._others: dict[str, crypto.Sealer] = {}
 
     @property
     def keystore(self) -> KeyStore:
@@ -91,8 +101,12 @@ class PgVault:
             finally:
                 await conn.close()
 
+        return self._call(go)
+
+    def _call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run a coroutine on a loop of its own; driver and server errors become VaultErrors."""
         try:
-            return run_sync(go)
+            return run_sync(make)
         except VaultError:
             raise
         except Exception as exc:
@@ -234,8 +248,51 @@ class PgVault:
             return self._sealer
         raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
 
-    def _fresh_sealer(self, kid: str, sealer: crypto.Sealer) -> crypto.Sealer:
-        return sealer if kid == sealer.kid else self.sealer(refresh=True)
+    def sealer_for_kid(self, kid: str | None) -> crypto.Sealer | None:
+        """The sealer of a key id still in use besides the current one: the key a running
+        rotation moves rows from. None for any other kid, or once that rotation ended."""
+        if kid is None:
+            return None
+        if self._sealer is not None and kid == self._sealer.kid:
+            return self._sealer
+        if kid in self._others:
+            return self._others[kid]
+        meta = self.meta()
+        if meta.get(pgrotate.FROM) != kid:
+            return None
+        ks = self.keystore
+        key = ks.get(entry_name(meta["vault_id"], kid))
+        if key is None and self.meta().get(pgrotate.FROM) != kid:
+            return None  # the rotation finished and deleted the entry meanwhile
+        self._others[kid] = crypto.Sealer(require_key(key, meta["vault_id"], kid, ks.name))
+        return self._others[kid]
+
+    def _keys_for(self, kid: str, old_kid: str | None) -> dict[str, crypto.Sealer] | None:
+        """The sealers of the kids a snapshot says are in use (the current one, and the old
+        one while a rotation runs); None when the vault moved on since: read again."""
+        current = self.sealer()
+        if current.kid != kid:
+            current = self.sealer(refresh=True)
+            if current.kid != kid:
+                return None
+        keys = {kid: current}
+        if old_kid is not None:
+            old = self.sealer_for_kid(old_kid)
+            if old is None:
+                return None
+            keys[old_kid] = old
+        return keys
+
+    async def _locked_kids(self, conn: Any) -> tuple[str, str | None]:
+        """(current kid, kid a rotation moves from), their rows locked until the transaction
+        ends: a rotation can neither switch nor finish under this change."""
+        await self._read_meta(conn)
+        rows = await conn.fetch(
+            "SELECT key, value FROM memvault_meta WHERE key IN ('kid', $1) FOR SHARE",
+            pgrotate.FROM,
+        )
+        found = {k: v for k, v in rows}
+        return found["kid"], found.get(pgrotate.FROM)
 
     # -- reading --------------------------------------------------------
     async def _count(self, conn: Any, ttl: int | None, now: int | None) -> list[SessionInfo]:
@@ -286,10 +343,10 @@ class PgVault:
         """(readable items oldest first, expired count, unreadable count), as `Vault.items`."""
         if limit is not None and limit <= 0:
             raise OperationFailed("limit must be a positive number of items")
-        sealer = self.sealer()
+        self.sealer()
         for _attempt in range(50):
 
-            async def read(conn: Any) -> tuple[str, int | None, list[str]]:
+            async def read(conn: Any) -> tuple[dict[str, str], int | None, list[str]]:
                 meta = await self._read_meta(conn)
                 await self._require_session(conn, session_id)
                 rows = await conn.fetch(
@@ -299,17 +356,19 @@ class PgVault:
                     limit,
                 )
                 ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
-                return meta["kid"], ttl, [r[0] for r in rows][::-1]
+                return meta, ttl, [r[0] for r in rows][::-1]
 
-            # The kid is read in the rows' own snapshot: rows read after a rotation are
-            # opened with the new key, never judged unreadable under the old one.
-            kid, ttl, rows = self._run(read)
-            if kid != sealer.kid:
-                sealer = self.sealer(refresh=True)
+            # The kids are read in the rows' own snapshot: rows read after a rotation are
+            # opened with the new key, never judged unreadable under the old one, and
+            # during an online rotation each row with the key its envelope names.
+            meta, ttl, rows = self._run(read)
+            keys = self._keys_for(meta["kid"], meta.get(pgrotate.FROM))
+            if keys is None:
                 continue
             out: list[Any] = []
             expired = unreadable = 0
             for data in rows:
+                sealer = keys.get(pgrotate.kid_of(data) or "", keys[meta["kid"]])
                 opened = sealer.open(session_id, data, ttl, now)
                 if opened.state is crypto.ItemState.READABLE:
                     out.append(opened.item)
@@ -351,6 +410,11 @@ class PgVault:
             "expired_unverified": sum(i.expired_unverified for i in infos),
             "counts": COUNTS_NOTE,
         }
+        if pgrotate.FROM in meta:  # an online rotation is running, or was cut off
+            out["rotation"] = {
+                "from_kid": meta[pgrotate.FROM],
+                "done_through_id": int(meta.get(pgrotate.PROGRESS, "0")),
+            }
         try:
             out["keyring"] = self.keystore.name
             self.sealer()
@@ -373,57 +437,58 @@ class PgVault:
         return self._run(read)
 
     # -- changing -------------------------------------------------------
-    async def _locked_kid(self, conn: Any) -> str:
-        """The current kid, with its row locked against a rotation until the transaction ends."""
-        await self._read_meta(conn)
-        kid: str = await conn.fetchval(
-            "SELECT value FROM memvault_meta WHERE key = 'kid' FOR SHARE"
-        )
-        return kid
+    def _change(self, body: Callable[[Any, Keys, crypto.Sealer], Awaitable[T]]) -> T:
+        """`body(conn, keys, current)` in a write transaction holding the kids' meta rows, with
+        the sealers of every kid in use (the old one too while a rotation runs)."""
+        current = self.sealer()
+        keys: Keys = {current.kid: current}
+        for _attempt in range(5):
+
+            async def change(conn: Any, keys: Keys = keys) -> tuple[bool, Any, Any]:
+                kid, old_kid = await self._locked_kids(conn)
+                if kid not in keys or (old_kid is not None and old_kid not in keys):
+                    return False, None, (kid, old_kid)  # the key moved on: reload, start again
+                return True, await body(conn, keys, keys[kid]), None
+
+            done, result, wanted = self._run(change, write=True)
+            if done:
+                return cast(T, result)
+            keys = self._keys_for(*wanted) or keys
+        raise VaultBusy(f"{self.path} changed key while this command ran; try again")
 
     def clear(self, session_id: str, include_unreadable: bool = False) -> Cleared:
         """Empty one session, as `Vault.clear`: refuses (ItemsUnreadable) items that do not
         authenticate unless `include_unreadable`. `scrubbed` is True: PostgreSQL has no WAL
         file of the vault's own to checkpoint (see PG_SCRUB_NOTE)."""
-        sealer = self.sealer()
-        for _attempt in range(5):
 
-            async def change(conn: Any, sealer: crypto.Sealer = sealer) -> Cleared | None:
-                kid = await self._locked_kid(conn)
-                if kid != sealer.kid:
-                    return None  # rotated since the key was loaded: reload it, start again
-                await self._require_session(conn, session_id)
-                rows = await conn.fetch(
-                    f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 FOR UPDATE",
-                    session_id,
+        async def body(conn: Any, keys: Keys, current: crypto.Sealer) -> Cleared:
+            await self._require_session(conn, session_id)
+            rows = await conn.fetch(
+                f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 FOR UPDATE",
+                session_id,
+            )
+            unreadable = sum(
+                keys.get(pgrotate.kid_of(r[0]) or "", current).state(session_id, r[0], None)
+                is crypto.ItemState.UNREADABLE
+                for r in rows
+            )
+            if unreadable and not include_unreadable:
+                raise ItemsUnreadable(
+                    f"{unreadable} item(s) of session {session_id!r} do not authenticate "
+                    "(tampered, corrupt or under another key); nothing was deleted; to "
+                    f"delete them too, on purpose: memvault clear {session_id} "
+                    "--include-unreadable",
+                    unreadable,
                 )
-                unreadable = sum(
-                    sealer.state(session_id, r[0], None) is crypto.ItemState.UNREADABLE
-                    for r in rows
-                )
-                if unreadable and not include_unreadable:
-                    raise ItemsUnreadable(
-                        f"{unreadable} item(s) of session {session_id!r} do not authenticate "
-                        "(tampered, corrupt or under another key); nothing was deleted; to "
-                        f"delete them too, on purpose: memvault clear {session_id} "
-                        "--include-unreadable",
-                        unreadable,
-                    )
-                status = await conn.execute(
-                    f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = $1", session_id
-                )
-                n = int(status.split()[-1])
-                await conn.execute(
-                    f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = $1", session_id
-                )
-                await audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
-                return Cleared(n, unreadable, True)
+            status = await conn.execute(
+                f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = $1", session_id
+            )
+            n = int(status.split()[-1])
+            await conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = $1", session_id)
+            await audit(conn, "clear", current.kid, items=n, unreadable=unreadable)
+            return Cleared(n, unreadable, True)
 
-            result = self._run(change, write=True)
-            if result is not None:
-                return result
-            sealer = self.sealer(refresh=True)
-        raise VaultBusy(f"{self.path} changed key while this command ran; try again")
+        return self._change(body)
 
     def pop_newest(self, session_id: str) -> Any:
         """Remove and return the session's newest item (the agent session's `pop_item`).
@@ -431,34 +496,41 @@ class PgVault:
         Authenticated before it is deleted, in the same transaction: an item that does not
         authenticate stays (OperationFailed). None for an empty session.
         """
-        sealer = self.sealer()
-        for _attempt in range(5):
 
-            async def change(conn: Any, sealer: crypto.Sealer = sealer) -> tuple[bool, Any]:
-                kid = await self._locked_kid(conn)
-                if kid != sealer.kid:
-                    return False, None
-                row = await conn.fetchrow(
-                    f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
-                    "ORDER BY created_at DESC, id DESC LIMIT 1 FOR UPDATE",
-                    session_id,
+        async def body(conn: Any, keys: Keys, current: crypto.Sealer) -> Any:
+            row = await conn.fetchrow(
+                f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
+                "ORDER BY created_at DESC, id DESC LIMIT 1 FOR UPDATE",
+                session_id,
+            )
+            if row is None:
+                return None
+            sealer = keys.get(pgrotate.kid_of(row[1]) or "", current)
+            opened = sealer.open(session_id, row[1], None)
+            if opened.state is not crypto.ItemState.READABLE:
+                raise OperationFailed(
+                    f"the newest item of session {session_id!r} does not authenticate "
+                    "(tampered, corrupt or under another key); nothing was removed"
                 )
-                if row is None:
-                    return True, None
-                opened = sealer.open(session_id, row[1], None)
-                if opened.state is not crypto.ItemState.READABLE:
-                    raise OperationFailed(
-                        f"the newest item of session {session_id!r} does not authenticate "
-                        "(tampered, corrupt or under another key); nothing was removed"
-                    )
-                await conn.execute(f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", row[0])
-                return True, opened.item
+            await conn.execute(f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", row[0])
+            return opened.item
 
-            done, item = self._run(change, write=True)
-            if done:
-                return item
-            sealer = self.sealer(refresh=True)
-        raise VaultBusy(f"{self.path} changed key while this command ran; try again")
+        return self._change(body)
+
+    def count_items(self) -> int:
+        async def read(conn: Any) -> int:
+            await self._read_meta(conn)
+            return int(await conn.fetchval(f"SELECT count(*) FROM {MESSAGES_TABLE}"))
+
+        return self._run(read)
+
+    def rotate(
+        self, progress: Progress | None = None, batch: int = pgrotate.DEFAULT_BATCH
+    ) -> Report:
+        """A new key, rows re-encrypted online in batches (vault.pgrotate); also finishes a
+        rotation that was cut off."""
+        self.sealer()  # the key errors (missing, revoked) before any change
+        return self._call(lambda: pgrotate.rotate(self, progress, batch))
 
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:

@@ -15,6 +15,7 @@ Relies on the SDK internals listed in vault.session, plus:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from . import crypto
 from .db import lock_timeout
 from .errors import UnknownSession, VaultError
 from .pgconn import CONNECT_TIMEOUT, server_settings, translate
@@ -84,6 +86,18 @@ class PgVaultSession(VaultSession):
             ttl=vault.ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
         )
         self._use(sealer)
+
+    def _unwrap(self, item: Any) -> Any:
+        # As VaultSession's (reload the key when the vault moved on), and while an online
+        # rotation runs (vault.pgrotate), open a row not yet moved with the old key.
+        if isinstance(item, dict) and item.get("__enc__") == 1 and item.get("kid") != self._kid:
+            if self._file_kid() != self._kid:
+                self._refresh()
+            other = self._vault.sealer_for_kid(item.get("kid"))  # type: ignore[attr-defined]
+            if item.get("kid") != self._kid and other is not None:
+                opened = other.open(self.session_id, json.dumps(item), self.ttl)
+                return opened.item if opened.state is crypto.ItemState.READABLE else None
+        return EncryptedSession._unwrap(self, item)
 
     def _translate(self, exc: BaseException) -> VaultError:
         return translate(_driver_error(exc), self._vault.loc)  # type: ignore[attr-defined]
