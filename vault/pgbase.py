@@ -117,6 +117,10 @@ class PgVaultBase:
             return self._sealer
         raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
 
+    def cached_sealer(self, kid: str) -> crypto.Sealer | None:
+        """The sealer of a retired key this object already loaded for a rotation, if any."""
+        return self._others.get(kid)
+
     def sealer_for_kid(self, kid: str | None) -> crypto.Sealer | None:
         """The sealer of a key id still in use besides the current one: the key a running
         rotation moves rows from. None for any other kid, or once that rotation ended."""

@@ -90,11 +90,16 @@ class PgVaultSession(VaultSession):
     def _unwrap(self, item: Any) -> Any:
         # As VaultSession's (reload the key when the vault moved on), and while an online
         # rotation runs (vault.pgrotate), open a row not yet moved with the old key.
-        if isinstance(item, dict) and item.get("__enc__") == 1 and item.get("kid") != self._kid:
-            if self._file_kid() != self._kid:
-                self._refresh()
-            other = self._vault.sealer_for_kid(item.get("kid"))  # type: ignore[attr-defined]
-            if item.get("kid") != self._kid and other is not None:
+        kid = item.get("kid") if isinstance(item, dict) and item.get("__enc__") == 1 else None
+        if kid is not None and kid != self._kid:
+            vault: PgVault = self._vault  # type: ignore[assignment]
+            # The old key once loaded: no round trip per row of a long history.
+            other = vault.cached_sealer(kid)
+            if other is None:
+                if self._file_kid() != self._kid:
+                    self._refresh()
+                other = vault.sealer_for_kid(kid) if kid != self._kid else None
+            if other is not None:
                 opened = other.open(self.session_id, json.dumps(item), self.ttl)
                 return opened.item if opened.state is crypto.ItemState.READABLE else None
         return EncryptedSession._unwrap(self, item)
