@@ -50,8 +50,23 @@ def in_private_keyring() -> bool:
 _memory_dir: str | None = None
 
 
+POSTGRES_URL_VAR = "MEMVAULT_TEST_POSTGRES_URL"
+
+
+def _refuse_postgres_run_without_a_server(config: pytest.Config) -> None:
+    """`-m postgres` without a server would skip every test and report green: refuse it."""
+    marks = config.getoption("markexpr", "") or ""
+    wants = "postgres" in marks.split() and "not postgres" not in " ".join(marks.split())
+    if wants and not os.environ.get(POSTGRES_URL_VAR):
+        raise pytest.UsageError(
+            f"-m postgres needs a PostgreSQL server and {POSTGRES_URL_VAR} is not set; "
+            "run: scripts/with-postgres scripts/test -m postgres"
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global _memory_dir
+    _refuse_postgres_run_without_a_server(config)
     if in_private_keyring():
         backend = type(keyring.get_keyring())
         assert backend.__module__ == "keyring.backends.SecretService", backend

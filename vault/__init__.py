@@ -45,11 +45,26 @@ def open_session(
 ) -> VaultSession:
     """An `EncryptedSession` over `SQLiteSession` on the vault file, TTL from the vault.
 
+    `db_path` (or `$MEMVAULT_DB`) may also be a URL `postgresql+asyncpg://user:password@
+    host:port/dbname[?schema=NAME]`: the session is then the same EncryptedSession over
+    the SDK's `SQLAlchemySession` (needs `pip install memvault[postgres]`).
+
     The vault must exist (`memvault init`); its key comes from the OS keyring and
     is checked against the file before anything is read or written.
     `session_settings` (e.g. `SessionSettings(limit=20)`) is passed to the
     `SQLiteSession` underneath, as `SQLiteSession(..., session_settings=...)` takes it.
     """
+    from .pgurl import is_url, location_text
+
+    where = location_text(db_path)
+    if is_url(where):
+        # A PostgreSQL vault (preview): the same EncryptedSession, over SQLAlchemySession.
+        from .pg import PgVault
+
+        session: VaultSession = PgVault.open(str(where)).session(
+            session_id, session_settings=session_settings
+        )
+        return session
     from .session import VaultSession
 
     return VaultSession(Vault.open(db_path), session_id, session_settings=session_settings)

@@ -29,6 +29,8 @@ from .store import Progress, Vault, lock_timeout
 if TYPE_CHECKING:
     from click.shell_completion import CompletionItem
 
+    from .pg import PgVault
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -159,6 +161,24 @@ def state() -> State:
 
 def open_vault() -> Vault:
     return Vault.open(state().db)
+
+
+def postgres_url() -> str | None:
+    """The PostgreSQL URL that --db or $MEMVAULT_DB names, or None for a file."""
+    from .pgurl import is_url, location_text
+
+    where = location_text(state().db)
+    return where if is_url(where) else None
+
+
+def open_any() -> Vault | PgVault:
+    """The vault, in a file or (for the commands that support it) in PostgreSQL."""
+    url = postgres_url()
+    if url is None:
+        return Vault.open(state().db)
+    from .pg import PgVault
+
+    return PgVault.open(url)
 
 
 def emit(data: Any, human: Callable[[], None]) -> None:

@@ -14,6 +14,7 @@ from .cli import (
     common,
     confirm,
     emit,
+    open_any,
     open_vault,
     plural,
     progress,
@@ -76,11 +77,17 @@ def rotate() -> None:
     Example:
       memvault rotate --json
     """
-    vault = open_vault()
+    vault = open_any()
     vault.sealer()
-    with progress(_count(vault), "rotating") as bar:
+    with progress(vault.count_items(), "rotating") as bar:
         report = vault.rotate(progress=bar)
     c = report.counts
+    note = ""
+    if getattr(vault, "backend", None) == "postgresql":
+        from .pg import PG_ROTATE_NOTE
+
+        c["scrub"] = PG_ROTATE_NOTE
+        note = f"\n  scrub   {PG_ROTATE_NOTE}"
     emit(
         c,
         lambda: click.echo(
@@ -88,7 +95,7 @@ def rotate() -> None:
             f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
-            "  older recovery kits no longer match: run `memvault key export` again"
+            "  older recovery kits no longer match: run `memvault key export` again" + note
         ),
     )
     check_scrub(report.scrubbed)

@@ -5,7 +5,7 @@ show, pop, clear, ttl and the audit log.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -20,12 +20,17 @@ from .cli import (
     duration,
     emit,
     iso_utc,
+    open_any,
     open_vault,
     plural,
+    postgres_url,
     state,
 )
 from .errors import VaultError
 from .store import DEFAULT_TTL, Vault
+
+if TYPE_CHECKING:
+    from .pg import PgVault
 
 
 @cli.command()
@@ -47,7 +52,14 @@ def init(ttl: Any) -> None:
       memvault init --ttl 7d
     """
     seconds = DEFAULT_TTL if ttl is None else ttl[1]
-    vault = Vault.init(state().db, ttl=seconds)
+    url = postgres_url()
+    vault: Vault | PgVault
+    if url is None:
+        vault = Vault.init(state().db, ttl=seconds)
+    else:
+        from .pg import PgVault
+
+        vault = PgVault.init(url, ttl=seconds)
     meta = vault.meta()
     data = {
         "path": str(vault.path),
@@ -79,11 +91,15 @@ def status() -> None:
     Example:
       memvault status --json
     """
-    st = open_vault().status()
+    st = open_any().status()
 
     def human() -> None:
-        click.echo(f"vault      {st['path']}  ({st['size']} bytes)")
-        click.echo(f"folder     mode {st['folder_mode']}")
+        if st.get("backend") == "postgresql":
+            click.echo(f"vault      {st['path']}  (PostgreSQL, schema {st['schema']})")
+            click.echo(f"files      {st['size']} (no file, folder or mode of memvault's own)")
+        else:
+            click.echo(f"vault      {st['path']}  ({st['size']} bytes)")
+            click.echo(f"folder     mode {st['folder_mode']}")
         for name, f in st["files"].items():
             click.echo(f"  {name:<20} {f['size']:>10} bytes  mode {f['mode']}")
         click.echo(f"keyring    {st['keyring']}")
@@ -98,6 +114,12 @@ def status() -> None:
         click.echo(f"rotated    {st['rotated_at']}")
         if st["scrub_pending"]:
             click.echo("scrub      pending (old bytes may remain until the next command)")
+        if st.get("rotation"):
+            click.echo(
+                f"rotation   in progress from {st['rotation']['from_kid']} (rows up to id "
+                f"{st['rotation']['done_through_id']} done); both keys read; if no rotation "
+                "is running, `memvault rotate` finishes it"
+            )
         if st.get("shred_interrupted"):
             click.echo("shred      interrupted: run `memvault shred` again to finish it")
 
@@ -116,7 +138,7 @@ def sessions() -> None:
     Example:
       memvault sessions
     """
-    rows = [s.as_dict() for s in open_vault().sessions()]
+    rows = [s.as_dict() for s in open_any().sessions()]
     for r in rows:
         r["updated_at"] = iso_utc(r.get("updated_at"))
 
@@ -165,7 +187,7 @@ def show(session_id: str, limit: int | None) -> None:
     Example:
       memvault show carnet-local --limit 10
     """
-    vault = open_vault()
+    vault = open_any()
     items, expired, unreadable = vault.items(session_id, limit)
 
     def human() -> None:
@@ -234,21 +256,28 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
     Example:
       memvault clear carnet-local --yes
     """
-    vault = open_vault()
+    vault = open_any()
     vault.sealer()  # fail on the key before asking anything
     confirm(f"Delete every item of session {session_id!r}?", yes)
     result = vault.clear(session_id, include_unreadable=include_unreadable)
     n, bad = result.deleted, result.unreadable_deleted
+    data: dict[str, Any] = {
+        "session_id": session_id,
+        "deleted": n,
+        "unreadable_deleted": bad,
+        "scrubbed": result.scrubbed,
+    }
+    note = None
+    if getattr(vault, "backend", None) == "postgresql":
+        from .pg import PG_SCRUB_NOTE
+
+        note = data["scrub"] = PG_SCRUB_NOTE
     emit(
-        {
-            "session_id": session_id,
-            "deleted": n,
-            "unreadable_deleted": bad,
-            "scrubbed": result.scrubbed,
-        },
+        data,
         lambda: click.echo(
             f"cleared {session_id}: {n} item(s) deleted"
             + (f", {bad} of them unreadable" if bad else "")
+            + (f"\nscrub: {note}" if note else "")
         ),
     )
     check_scrub(result.scrubbed)

@@ -37,6 +37,12 @@ def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
     default": falling back would point `shred` or `revoke` at another vault. An
     empty `$MEMVAULT_DB` counts as unset, as shells treat empty variables.
     """
+    from . import pgurl  # cheap: no driver
+
+    if pgurl.is_url(pgurl.location_text(db)):
+        from .errors import BadInput
+
+        raise BadInput(pgurl.unsupported(pgurl.location_text(db) or ""))
     if db is not None:
         if str(db) == "":
             from .errors import BadInput

@@ -1,0 +1,112 @@
+"""Connections to a PostgreSQL vault: the driver, one event loop per call, error translation.
+
+asyncpg is imported only here, inside `require_driver`, and only when a URL is
+used; without the `postgres` extra a URL gets one line saying how to install it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from . import pgschema
+from .db import lock_timeout
+from .errors import BadInput, NotAVault, OperationFailed, VaultBusy, VaultError
+from .pgurl import INSTALL_HINT, PgLocation
+from .schema import GUARD_MESSAGE
+
+T = TypeVar("T")
+CONNECT_TIMEOUT = 30.0
+
+
+def server_settings(loc: PgLocation) -> dict[str, str]:
+    """The URL's settings plus the lock wait: PostgreSQL reads 0 as "wait for ever",
+    memvault's MEMVAULT_LOCK_TIMEOUT=0 means "do not wait"."""
+    settings = loc.server_settings()
+    settings["lock_timeout"] = str(max(1, int(lock_timeout() * 1000)))
+    return settings
+
+
+async def connect(loc: PgLocation) -> Any:
+    asyncpg = require_driver()
+    return await asyncpg.connect(
+        dsn=loc.dsn, timeout=CONNECT_TIMEOUT, server_settings=server_settings(loc)
+    )
+
+
+def require_driver() -> Any:
+    """asyncpg, or one line saying how to install the extra (exit 2)."""
+    try:
+        import asyncpg
+    except ImportError:
+        raise BadInput(f"{INSTALL_HINT}; nothing was changed") from None
+    return asyncpg
+
+
+def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to completion from synchronous code, inside a running loop or not."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    # Called from a coroutine (the agent session reloading its key): a loop of its own,
+    # on a helper thread, so the caller's loop is not re-entered.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, make()).result()
+
+
+def translate(exc: BaseException, loc: PgLocation) -> VaultError:
+    """One user-facing error for each way the server or the driver can fail; no secret.
+
+    Exit codes: a server that cannot be reached, a database or schema that is not there,
+    or a login the server refuses is "no vault at that location" (3): the location cannot
+    be opened as a vault, and the fix is in the URL or the server, not the keyring (4 is
+    the vault's master key). A lock held past MEMVAULT_LOCK_TIMEOUT is busy (5).
+    """
+    where = loc.display
+    state = getattr(exc, "sqlstate", None)
+    text = " ".join(str(exc).split())[:200]
+    if state in ("28P01", "28000"):
+        return NotAVault(
+            f"the PostgreSQL server refused the login for {where} ({text}); check the user "
+            "and password in the URL; nothing was changed"
+        )
+    if state == "3D000":
+        return NotAVault(
+            f"no such database on the server of {where}; create it (createdb) or fix the "
+            "URL; nothing was changed"
+        )
+    if state in ("55P03", "40P01", "40001", "57014"):
+        return VaultBusy(
+            f"{where} is busy: another session holds a lock this one needs ({text}); wait "
+            "for it to finish, or raise MEMVAULT_LOCK_TIMEOUT (seconds)"
+        )
+    if state == "42501":
+        return OperationFailed(
+            f"the PostgreSQL user of {where} lacks a privilege ({text}); grant it, or use "
+            "the vault's owner; nothing was changed"
+        )
+    if state == pgschema.GUARD_SQLSTATE and GUARD_MESSAGE in text:
+        return OperationFailed(f"{GUARD_MESSAGE}; nothing was stored")
+    if state in ("53300", "57P03"):
+        return VaultBusy(f"the PostgreSQL server of {where} is not accepting sessions ({text})")
+    if state is not None:
+        return OperationFailed(f"PostgreSQL error on {where}: {text} (SQLSTATE {state})")
+    if isinstance(exc, OSError | TimeoutError):
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        return NotAVault(
+            f"cannot reach the PostgreSQL server of {where} ({why}); start it, or fix the "
+            "host and port in the URL; nothing was changed"
+        )
+    if isinstance(exc, ValueError):  # asyncpg's own reading of the URL (a bad port...)
+        return BadInput(f"{where} is not a URL memvault can use; nothing was changed")
+    return OperationFailed(f"PostgreSQL connection to {where} failed ({type(exc).__name__})")
+
+
+def is_driver_error(exc: BaseException) -> bool:
+    """An error of the connection or the server (translated), not a bug of memvault's."""
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    return (type(exc).__module__ or "").startswith("asyncpg")

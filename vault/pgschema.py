@@ -1,0 +1,207 @@
+"""A PostgreSQL vault's format: the same tables as a vault file, a PL/pgSQL guard, migrations.
+
+The SDK's own `agent_sessions` / `agent_messages`, with the DDL its
+`SQLAlchemySession(create_tables=True)` emits on PostgreSQL (so the SDK uses the
+tables as its own), plus `memvault_meta`, `memvault_audit`, `memvault_keys` and
+`memvault_migrations`, all in the URL's `?schema=` when it names one. The guard
+trigger refuses what the SQLite triggers refuse (vault.schema): any row that is
+not an envelope under the current kid. Migrations are applied once each, in
+order, under a transaction-scoped advisory lock, and recorded by name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import keyjournal
+from .schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+
+# The guard's SQLSTATE: check_violation, so that SQLAlchemy reports it as an IntegrityError
+# (as sqlite3 reports the SQLite trigger's refusal), and the session retries it alike.
+GUARD_SQLSTATE = "23514"
+# pg_advisory_xact_lock key for schema changes (init, migrations) of one schema.
+MIGRATION_LOCK = "memvault-migrate"
+
+
+def _q(name: str) -> str:
+    """A quoted SQL identifier (schema names are checked as plain names already)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _sdk_tables(schema: str) -> list[str]:
+    # What SQLAlchemy's create_all emits for the SDK's metadata on PostgreSQL.
+    return [
+        f"""CREATE TABLE {SESSIONS_TABLE} (
+                session_id VARCHAR NOT NULL,
+                created_at TIMESTAMP WITHOUT TIME ZONE DEFAULT CURRENT_TIMESTAMP NOT NULL,
+                updated_at TIMESTAMP WITHOUT TIME ZONE DEFAULT CURRENT_TIMESTAMP NOT NULL,
+                PRIMARY KEY (session_id)
+            )""",
+        f"""CREATE TABLE {MESSAGES_TABLE} (
+                id SERIAL NOT NULL,
+                session_id VARCHAR NOT NULL,
+                message_data TEXT NOT NULL,
+                created_at TIMESTAMP WITHOUT TIME ZONE DEFAULT CURRENT_TIMESTAMP NOT NULL,
+                PRIMARY KEY (id),
+                FOREIGN KEY (session_id) REFERENCES {SESSIONS_TABLE} (session_id)
+                    ON DELETE CASCADE
+            )""",
+        f"CREATE INDEX idx_{MESSAGES_TABLE}_session_time ON {MESSAGES_TABLE} "
+        "(session_id, created_at)",
+    ]
+
+
+def _meta(schema: str) -> list[str]:
+    return ["CREATE TABLE memvault_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"]
+
+
+def _guard(schema: str) -> list[str]:
+    # Anything that is not a 4-key envelope object {__enc__: 1, v, kid, payload: "gAAAAA..."}
+    # whose kid is the meta's current one is refused, plaintext from a bare
+    # SQLAlchemySession and a writer still holding a retired key alike. The meta is
+    # named with its schema: the trigger must not depend on the writer's search_path.
+    message = GUARD_MESSAGE.replace("'", "''")
+    return [
+        f"""CREATE FUNCTION {_q(schema)}.memvault_guard() RETURNS trigger
+            LANGUAGE plpgsql AS $guard$
+            DECLARE
+                env jsonb;
+                current_kid text;
+            BEGIN
+                BEGIN
+                    env := NEW.message_data::jsonb;
+                EXCEPTION WHEN others THEN
+                    env := NULL;
+                END;
+                SELECT value INTO current_kid FROM {_q(schema)}.memvault_meta
+                    WHERE key = 'kid';
+                IF env IS NULL
+                    OR jsonb_typeof(env) IS DISTINCT FROM 'object'
+                    OR env -> '__enc__' IS DISTINCT FROM '1'::jsonb
+                    OR jsonb_typeof(env -> 'payload') IS DISTINCT FROM 'string'
+                    OR left(env ->> 'payload', 6) IS DISTINCT FROM 'gAAAAA'
+                    OR env ->> 'kid' IS DISTINCT FROM current_kid
+                    OR (SELECT count(*) FROM jsonb_object_keys(env)) <> 4
+                THEN
+                    RAISE EXCEPTION USING MESSAGE = '{message}', ERRCODE = '{GUARD_SQLSTATE}';
+                END IF;
+                RETURN NEW;
+            END
+            $guard$""",
+        f"""CREATE TRIGGER memvault_guard
+            BEFORE INSERT OR UPDATE OF message_data ON {MESSAGES_TABLE}
+            FOR EACH ROW EXECUTE FUNCTION {_q(schema)}.memvault_guard()""",
+    ]
+
+
+def _audit(schema: str) -> list[str]:
+    # Events and counts only: never content, never a session's items.
+    return [
+        """CREATE TABLE memvault_audit (
+               id BIGSERIAL PRIMARY KEY,
+               at TEXT NOT NULL,
+               event TEXT NOT NULL,
+               kid TEXT,
+               details TEXT NOT NULL DEFAULT '{}'
+           )"""
+    ]
+
+
+def _key_versions(schema: str) -> list[str]:
+    # The journal of every key version (vault.keyjournal); `seq` orders it as SQLite's rowid.
+    return [
+        """CREATE TABLE memvault_keys (
+               seq BIGSERIAL,
+               kid TEXT PRIMARY KEY,
+               state TEXT NOT NULL
+                   CHECK (state IN ('pending', 'current', 'retired', 'destroyed')),
+               created_at TEXT NOT NULL,
+               changed_at TEXT NOT NULL
+           )"""
+    ]
+
+
+# Applied in this order, each recorded once by name (names as in vault.schema where the
+# step is the same).
+MIGRATIONS = [
+    ("m001_sdk_tables", _sdk_tables),
+    ("m002_meta", _meta),
+    ("m003_guard_triggers", _guard),
+    ("m004_audit", _audit),
+    ("m005_key_versions", _key_versions),
+]
+
+
+async def current_schema(conn: Any) -> str | None:
+    """The schema new tables go to (the URL's, or the server's default); None: none exists."""
+    value: str | None = await conn.fetchval("SELECT current_schema()")
+    return value
+
+
+async def lock_schema_changes(conn: Any, schema: str) -> None:
+    """Serialise init and migrations of one schema (held until the transaction ends)."""
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtext($1), hashtext($2))", MIGRATION_LOCK, schema
+    )
+
+
+async def migrate(conn: Any, schema: str) -> list[str]:
+    """Apply the migrations not yet recorded; the caller holds a transaction and the lock."""
+    await conn.execute(
+        "CREATE TABLE IF NOT EXISTS memvault_migrations "
+        "(name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"
+    )
+    done = {r[0] for r in await conn.fetch("SELECT name FROM memvault_migrations")}
+    applied = []
+    for name, ddl in MIGRATIONS:
+        if name in done:
+            continue
+        for statement in ddl(schema):
+            await conn.execute(statement)
+        await conn.execute(
+            "INSERT INTO memvault_migrations (name, applied_at) VALUES ($1, $2)", name, utcnow()
+        )
+        applied.append(name)
+    return applied
+
+
+async def needs_migration(conn: Any) -> bool:
+    done = {r[0] for r in await conn.fetch("SELECT name FROM memvault_migrations")}
+    return any(name not in done for name, _ in MIGRATIONS)
+
+
+# An item's Fernet timestamp read from its envelope in SQL, unauthenticated (as
+# vault.schema.ITEM_TIME): characters 2-12 of the token are the version byte's tail and
+# the 8-byte big-endian time; NULL for a row without a clean token head.
+_TOKEN_AT = "strpos(message_data, '\"gAAAAA')"
+_HEAD12 = f"substr(message_data, {_TOKEN_AT} + 1, 12)"
+ITEM_TIME = (
+    f"(CASE WHEN {_TOKEN_AT} > 0 AND {_HEAD12} ~ '^[A-Za-z0-9_-]{{12}}$' THEN "
+    f"('x' || encode(substring(decode(translate({_HEAD12}, '-_', '+/'), 'base64') "
+    "FROM 2 FOR 8), 'hex'))::bit(64)::bigint END)"
+)
+
+
+async def audit(conn: Any, event: str, kid: str | None, **details: Any) -> None:
+    """Append an audit event inside the caller's transaction: counts only, never content."""
+    await conn.execute(
+        "INSERT INTO memvault_audit (at, event, kid, details) VALUES ($1, $2, $3, $4)",
+        utcnow(),
+        event,
+        kid,
+        json.dumps(details, sort_keys=True),
+    )
+
+
+async def record_key(conn: Any, kid: str, state: str) -> None:
+    """Set one key version's state in the journal (vault.keyjournal.record's twin)."""
+    assert state in keyjournal.STATES
+    now = utcnow()
+    await conn.execute(
+        "INSERT INTO memvault_keys (kid, state, created_at, changed_at) VALUES ($1, $2, $3, $3) "
+        "ON CONFLICT (kid) DO UPDATE SET state = excluded.state, changed_at = excluded.changed_at",
+        kid,
+        state,
+        now,
+    )

@@ -1,0 +1,135 @@
+"""PostgreSQL vault locations: recognising a URL, reading it, and never showing its password.
+
+`--db`, `$MEMVAULT_DB` and `db_path` take a path or a URL
+`postgresql+asyncpg://user:password@host:port/dbname[?schema=NAME]`. This module
+is cheap to import (no driver): the CLI asks `is_url` for every command, and
+every message that names a PostgreSQL vault shows `redact_url`'s form of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+
+from .errors import BadInput
+
+DRIVER = "postgresql+asyncpg"
+# postgres:// and postgresql:// are what other tools print; memvault always talks asyncpg.
+_URL = re.compile(r"^(postgres|postgresql)(\+[A-Za-z0-9_]+)?://", re.IGNORECASE)
+_SECRET_PARAM = re.compile(r"([?&](?:password|passfile|sslpassword)=)[^&#]*", re.IGNORECASE)
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+INSTALL_HINT = "PostgreSQL support needs `pip install memvault[postgres]`"
+# The commands (and library calls) a PostgreSQL vault supports so far.
+SUPPORTED = "init, status, sessions, show, clear, rotate, and vault.open_session"
+
+
+def unsupported(url: str) -> str:
+    """The one line for a command that cannot use a PostgreSQL vault yet (exit 2)."""
+    return (
+        f"{redact_url(url)} is a PostgreSQL vault, which this command does not support yet "
+        f"(supported: {SUPPORTED}); nothing was changed"
+    )
+
+
+def location_text(db: str | os.PathLike[str] | None) -> str | None:
+    """What `--db`/`db_path` or else `$MEMVAULT_DB` names, as text (None: the default path)."""
+    if db is not None:
+        return os.fspath(db) if not isinstance(db, bytes) else None
+    return os.environ.get("MEMVAULT_DB") or None
+
+
+def is_url(value: str | os.PathLike[str] | None) -> bool:
+    """Whether a vault location is a PostgreSQL URL rather than a file path."""
+    if value is None or isinstance(value, bytes):
+        return False
+    return bool(_URL.match(os.fspath(value)))
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password (in the user part or the query) replaced by `***`.
+
+    Works on malformed URLs too (no parsing that could fail): whatever sits between
+    `user:` and the last `@` before the host is hidden.
+    """
+    # The last '@' of the authority separates the user part (a password may contain '@').
+    head, sep, rest = url.partition("://")
+    if sep:
+        authority_end = len(rest)
+        for ch in "/?#":
+            i = rest.find(ch)
+            if i >= 0:
+                authority_end = min(authority_end, i)
+        authority = rest[:authority_end]
+        at = authority.rfind("@")
+        if at >= 0:
+            userinfo = authority[:at]
+            if ":" in userinfo:
+                userinfo = userinfo.split(":", 1)[0] + ":***"
+            url = f"{head}://{userinfo}@{authority[at + 1 :]}{rest[authority_end:]}"
+    return _SECRET_PARAM.sub(r"\1***", url)
+
+
+@dataclass(frozen=True)
+class PgLocation:
+    """A parsed PostgreSQL vault location; its repr shows the redacted URL only."""
+
+    # Never in a repr (a debugger, a log line): these hold the password.
+    url: str = field(repr=False)  # as given: only ever handed to the driver
+    dsn: str = field(repr=False)  # for asyncpg, without memvault's own `schema` parameter
+    sqlalchemy_url: str = field(repr=False)  # for the SDK's SQLAlchemySession
+    schema: str | None  # `?schema=NAME`, else None (the server's default, usually public)
+
+    def __repr__(self) -> str:
+        return f"PgLocation({self.display!r})"
+
+    @property
+    def display(self) -> str:
+        """How every message names this vault: the password is never shown."""
+        return redact_url(self.url)
+
+    def server_settings(self) -> dict[str, str]:
+        """Per-connection settings: the vault's schema first, timestamps in UTC."""
+        out = {"timezone": "UTC"}
+        if self.schema:
+            out["search_path"] = self.schema
+        return out
+
+
+def parse(url: str) -> PgLocation:
+    """Read a PostgreSQL vault URL; BadInput (exit 2) for one memvault cannot use."""
+    shown = redact_url(url)
+    m = _URL.match(url)
+    if not m:
+        raise BadInput(f"{shown} is not a PostgreSQL URL; write postgresql+asyncpg://...")
+    driver = (m.group(2) or "").lower()
+    if driver not in ("", "+asyncpg"):
+        raise BadInput(
+            f"{shown}: memvault talks to PostgreSQL through asyncpg only; write the URL as "
+            "postgresql+asyncpg://user:password@host:port/dbname; nothing was changed"
+        )
+    rest = url[m.end() :]
+    base, _, query = rest.partition("?")
+    query, _, _fragment = query.partition("#")
+    params = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    schemas = [v for k, v in params if k == "schema"]
+    others = [(k, v) for k, v in params if k != "schema"]
+    schema = schemas[-1] if schemas else None
+    if schema is not None and not _SCHEMA_NAME.match(schema):
+        raise BadInput(
+            f"{shown}: the schema name {schema[:70]!r} is not a plain SQL name (letters, "
+            "digits and _, not starting with a digit, at most 63); nothing was changed"
+        )
+    if not base.split("@")[-1].split("/")[0] and "host" not in dict(others):
+        raise BadInput(
+            f"{shown} names no server; write postgresql+asyncpg://user:password@host:port/"
+            "dbname; nothing was changed"
+        )
+    tail = ("?" + urllib.parse.urlencode(others)) if others else ""
+    return PgLocation(
+        url=url,
+        dsn=f"postgresql://{base}{tail}",
+        sqlalchemy_url=f"{DRIVER}://{base}{tail}",
+        schema=schema,
+    )
