@@ -581,6 +581,54 @@ def test_a_writer_holding_the_lock_past_the_scrubs_wait_delays_the_scrub_only(
         assert Vault.open(vault_db).items(sid) == (items, 0, 0)
 
 
+CHECKPOINTER = textwrap.dedent(
+    """
+    import sqlite3, sys
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+    conn.execute("PRAGMA busy_timeout = 60000")
+    print("ready", flush=True)
+    conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()  # waits for the writer
+    conn.close()
+    """
+)
+
+
+def test_another_connections_checkpoint_delays_the_scrub_only(
+    vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's own automatic checkpoint after a commit (here: one waiting behind a
+    write) holds SQLite's checkpoint lock: the scrub waits for it, then finishes."""
+    from vault.db import SCRUB_WAIT
+
+    populate(vault_db)
+    old_tokens = tokens(vault_db)
+    real_scrub = Vault.scrub
+    children: list[subprocess.Popen[str]] = []
+
+    def scrub_behind_another_checkpoint(self: Vault) -> bool:
+        for script, args in (
+            (WRITER_HOLDING_LOCK, [str(SCRUB_WAIT + 1.5)]),
+            (CHECKPOINTER, []),
+        ):
+            child = subprocess.Popen(
+                [sys.executable, "-c", script, str(vault_db), *args],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            children.append(child)
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # the checkpointer takes its lock, then waits for the writer
+        return real_scrub(self)
+
+    with bystander(vault_db):
+        monkeypatch.setattr(Vault, "scrub", scrub_behind_another_checkpoint)
+        report = vault.rotate()
+        assert [c.wait(timeout=60) for c in children] == [0, 0]
+        assert report.scrubbed is True
+        assert db_meta(vault_db)["scrub_pending"] == "0"
+        assert residue(vault_db, old_tokens) == []
+
+
 def test_blocked_scrub_cli_rotate_exits_5_and_next_rotate_finishes(
     vault: Vault, vault_db: Path
 ) -> None:

@@ -14,6 +14,7 @@ import math
 import os
 import sqlite3
 import sys
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +30,9 @@ DEFAULT_LOCK_TIMEOUT = 120.0
 MAX_LOCK_TIMEOUT = 86400.0
 # Checkpoints wait this long for readers before the scrub reports itself incomplete.
 SCRUB_WAIT = 2.0
-# ... and try again as long as each attempt gets further (writers delay, never pin, it).
-SCRUB_ATTEMPTS = 10
+# ... and try again, for this long at most, as long as each attempt gets further
+# (writers and other checkpoints delay it; a reader's snapshot pins it).
+SCRUB_PATIENCE = 30.0
 
 
 def lock_timeout() -> float:
@@ -363,24 +365,30 @@ class VaultFile:
 
         Returns False, leaving `scrub_pending` set for the next open, when another
         process's read transaction keeps the checkpoint from finishing. An agent writing
-        all along only delays it: each attempt that fails copies more of the WAL, and the
-        attempts go on while they make progress (a reader holding one snapshot stops
-        them at once: the frames after its snapshot cannot be copied while it reads).
+        all along, or checkpointing itself after a commit, only delays it: the attempts go
+        on while they make progress (a reader holding one snapshot stops them at once:
+        the frames after its snapshot cannot be copied while it reads).
         """
         with self.connection(timeout=SCRUB_WAIT) as conn:
             try:
+                deadline = time.monotonic() + SCRUB_PATIENCE
                 seen: tuple[int, int] | None = None
-                for _attempt in range(SCRUB_ATTEMPTS):
+                while True:
                     busy, wal_frames, copied = conn.execute(
                         "PRAGMA wal_checkpoint(TRUNCATE)"
                     ).fetchone()
                     if not busy:
                         break
+                    if time.monotonic() >= deadline:
+                        return False
+                    if wal_frames < 0:
+                        # Another connection is checkpointing (an agent's automatic one
+                        # after its first commit on a large WAL): it copies for us.
+                        time.sleep(0.05)
+                        continue
                     if (wal_frames, copied) == seen:
                         return False  # no progress: a reader holds its snapshot
                     seen = (wal_frames, copied)
-                else:
-                    return False
                 testhooks.failpoint("during-scrub")
                 conn.execute("BEGIN IMMEDIATE")
                 set_meta(conn, scrub_pending="0")
