@@ -265,7 +265,8 @@ async def _guard(conn: Any, report: VerifyReport, schema: str) -> None:
     ):
         report.add("guard_triggers", f"function {GUARD}() differs from the one memvault creates")
     triggers = await conn.fetch(
-        "SELECT t.tgname, c.relname, t.tgenabled, t.tgtype, t.tgattr::text AS attrs, "
+        "SELECT t.tgname, c.relname, t.tgenabled::text AS tgenabled, t.tgtype, "
+        "t.tgattr::text AS attrs, "
         "t.tgqual IS NOT NULL AS has_when, pn.nspname AS fn_schema, p.proname AS fn_name, "
         "(SELECT attnum FROM pg_attribute WHERE attrelid = c.oid "
         " AND attname = 'message_data')::text AS data_col "
