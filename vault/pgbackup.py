@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import backup as file_backup
-from . import files, pgrotate, pgschema, testhooks
+from . import files, pgrotate, pgschema
 from .db import connect, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
 from .keyjournal import CURRENT, DESTROYED
@@ -54,7 +54,6 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     created = os.lstat(target)
     try:
         _copy(vault, target)
-        testhooks.failpoint("pg-backup-copied")
         now = os.lstat(target)
         if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
             raise OperationFailed(
