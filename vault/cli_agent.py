@@ -16,6 +16,7 @@ from .cli import (
     emit,
     open_vault,
     plural,
+    postgres_url,
     progress,
     refuse_option,
     state,
@@ -99,16 +100,31 @@ def import_cmd(
     """
     from .importer import Importer
 
-    vault = open_vault()
-    vault.sealer()  # fail on the key before reading anything
-    with Importer(
-        vault, plain_db, session_id, sessions_table, messages_table, shred_source
-    ) as importer:
+    url = postgres_url()
+    importer: Importer
+    if url is not None:
+        from .pg import PgVault
+        from .pgimport import PgImporter
+
+        pg = PgVault.open(url)
+        pg.sealer()  # fail on the key before reading anything
+        importer = PgImporter(
+            pg, plain_db, session_id, sessions_table, messages_table, shred_source
+        )
+        where = pg.path
+    else:
+        vault = open_vault()
+        vault.sealer()  # fail on the key before reading anything
+        importer = Importer(
+            vault, plain_db, session_id, sessions_table, messages_table, shred_source
+        )
+        where = str(vault.path)
+    with importer:
         plan = importer.plan
         if shred_source:
             confirm(
                 f"Import {plural(len(plan.sessions), 'session')} "
-                f"({plural(plan.total_items, 'item')}) into the vault {vault.path}, then "
+                f"({plural(plan.total_items, 'item')}) into the vault {where}, then "
                 f"destroy {plan.source} and its side files?",
                 yes,
             )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from .cli import cli, common, emit, open_vault, plural, state
+from .cli import cli, common, emit, open_vault, plural, postgres_url, state
 from .errors import KeyProblem, OperationFailed
 
 
@@ -31,15 +31,25 @@ def backup_cmd(dest: str) -> None:
     longer need: it shares the live vault's key until the next rotation, and
     shred destroys that key; delete the file instead.
 
+    On a PostgreSQL vault (--db URL), DEST is a new vault file (SQLite) holding
+    one snapshot of it, rows as they are, opened with the same keyring entry;
+    for a server-side backup use pg_dump.
+
     \b
     Example:
       memvault backup ~/backups/history-2026-11-30.db
       memvault --json backup /media/usb/history.db
     """
-    from .backup import backup
+    url = postgres_url()
+    if url is not None:
+        from .pg import PgVault
+        from .pgbackup import backup as pg_backup
 
-    vault = open_vault()
-    r = backup(vault, dest)
+        r = pg_backup(PgVault.open(url), dest)
+    else:
+        from .backup import backup
+
+        r = backup(open_vault(), dest)
 
     def human() -> None:
         click.echo(
@@ -49,6 +59,11 @@ def backup_cmd(dest: str) -> None:
             f"  key id  {r.kid} (the key is not in the backup)\n"
             "to restore it on another machine:\n" + "\n".join(f"  {step}" for step in r.restore)
         )
+        if url is not None:
+            click.echo(
+                "the copy is a vault file (SQLite) holding one snapshot of the PostgreSQL vault; "
+                "for a server-side backup use pg_dump"
+            )
 
     emit(r.as_dict(), human)
     if r.key_problem:
@@ -73,7 +88,9 @@ def verify_cmd() -> None:
     Runs SQLite's integrity check, authenticates every item under the key
     (in batches), checks the guard triggers against the ones memvault creates,
     the meta rows and the recorded migrations. It changes nothing (unlike
-    other commands, it neither migrates nor finishes a pending scrub).
+    other commands, it neither migrates nor finishes a pending scrub). On a
+    PostgreSQL vault the integrity check and the scrub do not apply; the guard
+    trigger and its function are compared, and a rotation in progress is shown.
 
     \b
     Exit codes:
@@ -88,10 +105,18 @@ def verify_cmd() -> None:
       memvault verify
       memvault --db backup.db --json verify
     """
-    from .verify import PROBLEMS, verify
+    from .verify import VerifyReport, verify
 
-    report = verify(state().db)
+    url = postgres_url()
+    report: VerifyReport
+    if url is not None:
+        from .pgread import verify as pg_verify
+
+        report = pg_verify(url)
+    else:
+        report = verify(state().db)
     doc = report.as_dict()
+    rotation = doc.get("rotation")
 
     def human() -> None:
         click.echo(f"vault      {report.path}  ({report.vault_id or 'no vault id'})")
@@ -105,10 +130,16 @@ def verify_cmd() -> None:
         else:
             counts += f": {report.authenticated} authenticate ({report.expired} expired)"
         click.echo(f"items      {counts}")
-        checked = "integrity, guard triggers, meta, schema"
+        if rotation:
+            click.echo(
+                f"rotation   in progress from key {rotation['from_kid']} (rows through id "
+                f"{rotation['done_through_id']} moved; both keys read); `memvault rotate` "
+                "finishes one that was cut off"
+            )
+        checked = report.CHECKED
         if report.authenticated is not None:
             checked += ", every item"
-        click.echo(f"checked    {checked}")
+        click.echo(f"checked    {checked}{report.CHECKED_NOTE}")
         found = {k: n for k, n in report.problems.items() if n}
         if report.ok:
             click.echo("result     ok")
@@ -117,7 +148,7 @@ def verify_cmd() -> None:
         else:
             click.echo(f"result     {plural(sum(found.values()), 'problem')}")
         for kind, n in found.items():
-            label, fix = PROBLEMS[kind]
+            label, fix = report.problem_texts[kind]
             click.echo(f"  {kind} ({n}): {label}")
             shown = report.details.get(kind, [])
             for detail in shown:

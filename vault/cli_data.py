@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from .cli import SESSION, cli, common, emit, open_vault, plural, refuse_option, state
+from .cli import SESSION, cli, common, emit, open_any, plural, refuse_option, state
 from .errors import VaultError
 
 # vault.export's FORMATS, spelled here so that loading the CLI does not import the
@@ -87,7 +87,7 @@ def export_cmd(
         )
     from .export import plan_export, run_export
 
-    vault = open_vault()
+    vault = open_any()
     plan = plan_export(
         vault,
         session_ids,
@@ -160,7 +160,7 @@ def search_cmd(
         ) from None
     from .search import search
 
-    found = search(open_vault(), pattern, session_ids, regex, include_expired)
+    found = search(open_any(), pattern, session_ids, regex, include_expired)
 
     def human() -> None:
         for h in found.hits:

@@ -20,12 +20,11 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
-from . import files
+from . import crypto, files
 from .crypto import ItemState
 from .errors import BadInput, OperationFailed, UnknownSession
-from .store import Vault
 
 FORMATS = ("jsonl", "md")
 _CHUNK = 1 << 16  # bytes gathered before each write
@@ -113,7 +112,28 @@ def iso_time(timestamp: int | None) -> str | None:
 # --------------------------------------------------------------------------
 # Which sessions
 # --------------------------------------------------------------------------
-def select_sessions(vault: Vault, wanted: Sequence[str], all_sessions: bool = False) -> list[str]:
+class ItemSource(Protocol):
+    """What export and search read: a vault in a file (`Vault`) or in PostgreSQL (`PgVault`)."""
+
+    @property
+    def path(self) -> str | os.PathLike[str]: ...
+
+    def sealer(self, refresh: bool = False) -> crypto.Sealer: ...
+
+    def session_ids(self) -> list[str]: ...
+
+    def opened_items(
+        self,
+        session_id: str,
+        limit: int | None = None,
+        now: int | None = None,
+        include_expired: bool = False,
+    ) -> Iterator[crypto.Opened]: ...
+
+
+def select_sessions(
+    vault: ItemSource, wanted: Sequence[str], all_sessions: bool = False
+) -> list[str]:
     """The sessions named (duplicates dropped, order kept), or every one with `all_sessions`.
 
     Raises UnknownSession for the first that is not in the vault, before anything is read.
@@ -162,7 +182,7 @@ class ExportPlan:
 
 
 def plan_export(
-    vault: Vault,
+    vault: ItemSource,
     session_ids: Sequence[str],
     all_sessions: bool,
     path: str | os.PathLike[str] | None,
@@ -192,7 +212,7 @@ def plan_export(
 
 
 def run_export(
-    vault: Vault, plan: ExportPlan, stream: BinaryIO | None = None, now: int | None = None
+    vault: ItemSource, plan: ExportPlan, stream: BinaryIO | None = None, now: int | None = None
 ) -> Exported:
     """Write the export to `plan.path`, or to `stream` when the plan has no path.
 
@@ -235,7 +255,9 @@ def _chunks(pieces: Iterable[str]) -> Iterator[bytes]:
         yield b"".join(buf)
 
 
-def _render(vault: Vault, plan: ExportPlan, result: Exported, now: int | None) -> Iterator[str]:
+def _render(
+    vault: ItemSource, plan: ExportPlan, result: Exported, now: int | None
+) -> Iterator[str]:
     md = plan.format == "md"
     if md:
         yield "# memvault export\n\nDecrypted history, in plaintext: keep this file private.\n"

@@ -305,7 +305,7 @@ class Importer:
         }
         if self.shred_source:
             report["source_shredded"] = self._shred_source()
-            vault.record(
+            self._record(
                 "source-shred",
                 vault.sealer().kid,
                 files=len(report["source_shredded"]["files"]),
@@ -314,6 +314,10 @@ class Importer:
             )
         report["at"] = utcnow()
         return report
+
+    def _record(self, event: str, kid: str, **details: Any) -> None:
+        """An audit event in the vault (a PostgreSQL vault's importer writes its own)."""
+        self.vault.record(event, kid, **details)
 
     def _source_rows(self, s: SourceSession) -> sqlite3.Cursor:
         return self.conn.execute(

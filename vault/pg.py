@@ -3,8 +3,9 @@
 The same vault as a file, only the storage differs: the same key derivation,
 envelope, kid and keyring entries (`<vault_id>/<kid>`, vault.keyjournal), the
 same meta, audit and key-journal rows (vault.pgschema). Supported so far:
-`init`, `status`, `sessions`, `show`, `clear`, `rotate` (online, vault.pgrotate)
-and agent sessions (vault.pgsession). Every other command refuses a URL in
+`init`, `status`, `sessions`, `show`, `clear`, `rotate` (online, vault.pgrotate),
+`export`, `search`, `verify` (vault.pgread), `backup` (vault.pgbackup), `import`
+(vault.pgimport) and agent sessions (vault.pgsession). Every other command refuses a URL in
 `paths.resolve_db_path`.
 
 The library is synchronous, as `Vault` is; each operation opens one asyncpg
@@ -19,6 +20,7 @@ import contextlib
 import json
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from . import crypto, durations, pgrotate, pgschema
@@ -239,6 +241,18 @@ class PgVault(PgVaultBase):
                     unreadable += 1
             return out, expired, unreadable
         raise VaultBusy(f"{self.path} kept changing key while being read; try again")
+
+    def opened_items(
+        self,
+        session_id: str,
+        limit: int | None = None,
+        now: int | None = None,
+        include_expired: bool = False,
+    ) -> Iterator[crypto.Opened]:
+        """As `Vault.opened_items`: for export and search (vault.pgread)."""
+        from .pgread import opened_items
+
+        return opened_items(self, session_id, limit, now, include_expired)
 
     def status(self, now: int | None = None) -> dict[str, Any]:
         """What `memvault status` shows; the file fields say they do not apply."""

@@ -15,8 +15,7 @@ from typing import Any
 
 from .crypto import ItemState
 from .errors import BadInput
-from .export import iso_time, item_text, select_sessions
-from .store import Vault
+from .export import ItemSource, iso_time, item_text, select_sessions
 
 EXCERPT_CONTEXT = 30  # characters shown on each side of a match
 
@@ -75,7 +74,7 @@ def excerpt(text: str, match: re.Match[str], context: int = EXCERPT_CONTEXT) -> 
 
 
 def search(
-    vault: Vault,
+    vault: ItemSource,
     pattern: str,
     session_ids: Sequence[str] = (),
     regex: bool = False,

@@ -19,7 +19,7 @@ import re
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from . import crypto, paths
 from .db import check_header, is_damage, parse_ttl, refuse_odd_side_files
@@ -88,6 +88,11 @@ class VerifyReport:
     key: str = "not checked"
     key_error: KeyProblem | None = None
     unverified_reason: str | None = None  # why `authenticated` is None
+    # What the human listing says was checked, and each problem's text (a PostgreSQL
+    # vault's report, vault.pgread, says its own).
+    CHECKED: ClassVar[str] = "integrity, guard triggers, meta, schema"
+    CHECKED_NOTE: ClassVar[str] = ""
+    problem_texts: ClassVar[dict[str, tuple[str, str]]] = PROBLEMS
 
     @property
     def ok(self) -> bool:
@@ -115,7 +120,7 @@ class VerifyReport:
             "expired": self.expired,
             "problems": dict(self.problems),
             "details": {k: list(v) for k, v in self.details.items()},
-            "fixes": {k: PROBLEMS[k][1] for k, n in self.problems.items() if n},
+            "fixes": {k: self.problem_texts[k][1] for k, n in self.problems.items() if n},
             "key": self.key,
             "key_problem": self.key_error.message if self.key_error else None,
             "unverified_reason": self.unverified_reason,
@@ -176,6 +181,12 @@ def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:
             f"{report.path} is a SQLite database but not a memvault vault (no memvault_meta "
             "table); nothing to verify"
         ) from None
+    check_meta(meta, report)
+    return meta
+
+
+def check_meta(meta: dict[str, str], report: VerifyReport) -> None:
+    """The meta rows: required keys, format, vault id and key id formats, TTL, timestamps."""
     report.vault_id, report.kid = meta.get("vault_id"), meta.get("kid")
     for key in REQUIRED_META:
         if key not in meta:
@@ -202,7 +213,6 @@ def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:
         report.add("scrub_pending", "a rotation, purge or clear has not finished its scrub")
     if "shred_started" in meta:
         report.add("meta", "a shred was interrupted: run `memvault shred` again to finish it")
-    return meta
 
 
 def _schema(conn: sqlite3.Connection, report: VerifyReport) -> None:
