@@ -22,7 +22,10 @@ _SECRET_PARAM = re.compile(r"([?&](?:password|passfile|sslpassword)=)[^&#]*", re
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 INSTALL_HINT = "PostgreSQL support needs `pip install memvault[postgres]`"
 # The commands (and library calls) a PostgreSQL vault supports so far.
-SUPPORTED = "init, status, sessions, show, clear, rotate, and vault.open_session"
+SUPPORTED = (
+    "init, status, sessions, show, clear, pop, ttl, log, purge, rotate, revoke, shred, "
+    "key list/export/import, and vault.open_session"
+)
 
 
 def unsupported(url: str) -> str:
