@@ -116,6 +116,9 @@ def rotate() -> None:
 def revoke(yes: bool) -> None:
     """Destroy the key. The file stays, unreadable for ever (cryptographic erase).
 
+    On a PostgreSQL vault the rows stay, and only this host's keyring entries
+    go: run it on every host that holds the key.
+
     \b
     Example:
       memvault revoke --yes && memvault shred --yes
@@ -174,6 +177,11 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     file's name is removed without being followed. On SSDs and copy-on-write
     filesystems overwriting is not a guarantee; destroying the key is (see
     SECURITY.md).
+
+    On a PostgreSQL vault (a URL): the key versions, then the rows (VACUUM
+    after), the vault's tables, and the URL's schema if nothing else is in it.
+    There are no files to overwrite: the report says so. Only this host's
+    keyring entries go: run `memvault revoke --yes` on every other host first.
 
     --receipt FILE must name a new file in an existing, writable folder: an
     existing file or link is never replaced. It is checked before anything is
