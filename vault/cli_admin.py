@@ -1,4 +1,5 @@
-"""`memvault` commands that rewrite or destroy: purge, rotate, revoke and shred."""
+"""`memvault` commands that rewrite or destroy: purge, rotate, revoke and shred (a file or
+a PostgreSQL vault: vault.pgadmin says what differs)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from .cli import (
     confirm,
     emit,
     open_any,
-    open_vault,
     plural,
+    postgres_url,
     progress,
     progress_bar,
     state,
 )
 from .errors import OperationFailed
-from .store import Vault, shred
+from .store import shred
 
 
 @cli.command()
@@ -35,7 +36,7 @@ def purge(yes: bool) -> None:
     Example:
       memvault purge --yes
     """
-    vault = open_vault()
+    vault = open_any()
     vault.sealer()
     if not yes:
         # Counted from timestamps (unverified): purge itself deletes only what authenticates.
@@ -45,10 +46,17 @@ def purge(yes: bool) -> None:
                 f"Delete the {plural(expired, 'expired item')} of the vault {vault.path} for good?",
                 yes,
             )
-    with progress(_count(vault), "purging") as bar:
+    with progress(vault.count_items(), "purging") as bar:
         report = vault.purge(progress=bar)
+    doc = {**report.counts, "scrubbed": report.scrubbed}
+    note = ""
+    if _on_postgres(vault):
+        from .pgadmin import PG_PURGE_NOTE
+
+        doc["scrub"] = PG_PURGE_NOTE
+        note = f"\nscrub: {PG_PURGE_NOTE}" if report.counts["deleted"] else ""
     emit(
-        {**report.counts, "scrubbed": report.scrubbed},
+        doc,
         lambda: click.echo(
             f"purged {plural(report.counts['deleted'], 'expired item')}; kept "
             f"{plural(report.counts['kept'], 'item')}"
@@ -57,13 +65,14 @@ def purge(yes: bool) -> None:
                 if report.counts["unreadable"]
                 else ""
             )
+            + note
         ),
     )
     check_scrub(report.scrubbed)
 
 
-def _count(vault: Vault) -> int:
-    return vault.count_items()
+def _on_postgres(vault: Any) -> bool:
+    return getattr(vault, "backend", None) == "postgresql"
 
 
 @cli.command()
@@ -83,7 +92,7 @@ def rotate() -> None:
         report = vault.rotate(progress=bar)
     c = report.counts
     note = ""
-    if getattr(vault, "backend", None) == "postgresql":
+    if _on_postgres(vault):
         from .pg import PG_ROTATE_NOTE
 
         c["scrub"] = PG_ROTATE_NOTE
@@ -107,16 +116,29 @@ def rotate() -> None:
 def revoke(yes: bool) -> None:
     """Destroy the key. The file stays, unreadable for ever (cryptographic erase).
 
+    On a PostgreSQL vault the rows stay, and only this host's keyring entries
+    go: run it on every host that holds the key.
+
     \b
     Example:
       memvault revoke --yes && memvault shred --yes
     """
-    vault = open_vault()
+    vault = open_any()
     confirm(
         f"Destroy the key of the vault {vault.path}? Its history can never be read again",
         yes,
     )
     r = vault.revoke()
+    # On PostgreSQL the rows stay in the server, and other hosts keep their own keyrings.
+    where = "rows stay" if _on_postgres(vault) else "file stays"
+    removes = "them" if _on_postgres(vault) else "it"
+    hosts = ""
+    if _on_postgres(vault):
+        r["other_hosts"] = (
+            "only this host's keyring entries were destroyed: run `memvault revoke --yes` "
+            "on every other host that holds the key"
+        )
+        hosts = f"; {r['other_hosts']}"
 
     def human() -> None:
         if r["already_revoked"]:
@@ -125,13 +147,13 @@ def revoke(yes: bool) -> None:
                 finished = f"; destroyed what a cut-off revoke had left (key {_kids(r)})"
             click.echo(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
-                "`memvault shred` removes the file"
+                f"`memvault shred` removes the {'rows' if _on_postgres(vault) else 'file'}" + hosts
             )
             return
         click.echo(
-            f"revoked key {r['kid']} of vault {r['vault_id']} (destroyed: {_kids(r)}); the file "
-            "stays, unreadable; "
-            "`memvault shred` removes it; recovery kits are useless now"
+            f"revoked key {r['kid']} of vault {r['vault_id']} (destroyed: {_kids(r)}); the "
+            f"{where}, unreadable; `memvault shred` removes {removes}; recovery kits are "
+            "useless now" + hosts
         )
 
     emit(r, human)
@@ -156,6 +178,11 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     filesystems overwriting is not a guarantee; destroying the key is (see
     SECURITY.md).
 
+    On a PostgreSQL vault (a URL): the key versions, then the rows (VACUUM
+    after), the vault's tables, and the URL's schema if nothing else is in it.
+    There are no files to overwrite: the report says so. Only this host's
+    keyring entries go: run `memvault revoke --yes` on every other host first.
+
     --receipt FILE must name a new file in an existing, writable folder: an
     existing file or link is never replaced. It is checked before anything is
     destroyed (exit 2 if unusable).
@@ -167,6 +194,9 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     from .files import check_new_file, write_private
     from .shred import regular_files, shred_target
 
+    if postgres_url() is not None:
+        _shred_postgres(yes, receipt)
+        return
     target = shred_target(state().db)  # no vault, nothing asked (exit 3)
     path = target["path"]
     if receipt is not None:
@@ -190,6 +220,46 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
                 f"({exc.strerror}); keep the summary printed above instead"
             )
     emit(r, lambda: click.echo(_shred_summary(r)))
+    if failure:
+        raise OperationFailed(failure)
+
+
+def _shred_postgres(yes: bool, receipt: str | None) -> None:
+    """`shred` on a URL: key, rows, tables; no files to overwrite (vault.pgadmin.shred)."""
+    from .files import check_new_file, write_private
+
+    vault = open_any()  # no vault: exit 3 before anyone is asked
+    if receipt is not None:
+        check_new_file(receipt, "receipt")
+    confirm(f"Destroy the vault {vault.vault_id} at {vault.path}, its key and its tables?", yes)
+    r = vault.shred()
+    r["other_hosts"] = (
+        "this host's keyring entries of the vault were destroyed; other hosts keep theirs "
+        "(run `memvault revoke --yes` on each before a shred; afterwards delete "
+        f"memvault/{r['vault_id']}/<kid> there, e.g. `keyring del memvault {r['vault_id']}/KID`)"
+    )
+    failure = None
+    if receipt is not None:
+        try:
+            write_private(receipt, (json.dumps(r, indent=2, sort_keys=True) + "\n").encode())
+        except OSError as exc:
+            failure = (
+                f"the vault was shredded, but the receipt {receipt} could not be written "
+                f"({exc.strerror}); keep the summary printed above instead"
+            )
+
+    def human() -> None:
+        key = f"destroyed ({_kids(r)})" if r.get("key_destroyed") else "already gone"
+        schema = {True: "dropped", False: "kept (it holds other objects)", None: "not the URL's"}
+        click.echo(
+            f"shredded {r['path']}: {r['items']} item(s) in {r['sessions']} session(s); key "
+            f"{key}; tables {', '.join(r['tables_dropped'])} deleted, VACUUMed and dropped; "
+            f"schema {r['schema']} {schema[r['schema_dropped']]}\n"
+            f"files: {r['files_note']}\n"
+            f"other hosts: {r['other_hosts']}"
+        )
+
+    emit(r, human)
     if failure:
         raise OperationFailed(failure)
 

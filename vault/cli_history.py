@@ -21,7 +21,6 @@ from .cli import (
     emit,
     iso_utc,
     open_any,
-    open_vault,
     plural,
     postgres_url,
     state,
@@ -227,12 +226,21 @@ def pop(session_id: str, count: int) -> None:
     Example:
       memvault pop carnet-local -n 2
     """
-    vault = open_vault()
+    vault = open_any()
     result = vault.pop(session_id, count)
     popped = result.items
+    data: dict[str, Any] = {"session_id": session_id, "popped": popped}
+    note = None
+    if getattr(vault, "backend", None) == "postgresql":
+        from .pg import PG_SCRUB_NOTE
+
+        note = data["scrub"] = PG_SCRUB_NOTE
     emit(
-        {"session_id": session_id, "popped": popped},
-        lambda: click.echo(f"removed {plural(len(popped), 'item')} from {session_id}"),
+        data,
+        lambda: click.echo(
+            f"removed {plural(len(popped), 'item')} from {session_id}"
+            + (f"\nscrub: {note}" if note else "")
+        ),
     )
     check_scrub(result.scrubbed)
 
@@ -295,7 +303,7 @@ def ttl(value: Any) -> None:
     Example:
       memvault ttl 7d
     """
-    vault = open_vault()
+    vault = open_any()
     vault.sealer()  # a revoked or missing key fails here, as every keyed command does
     if value is not None:
         vault.set_ttl(value[1])
@@ -315,7 +323,7 @@ def log() -> None:
     Example:
       memvault log --json
     """
-    rows = open_vault().audit_log()
+    rows = open_any().audit_log()
     for r in rows:
         if r["event"] == "ttl":  # stored as seconds; shown as everywhere else (30d, never)
             for k in ("old", "new"):

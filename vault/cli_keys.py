@@ -12,7 +12,7 @@ from collections.abc import Callable
 import click
 
 from . import files
-from .cli import PATH, F, cli, common, confirm, emit, open_vault
+from .cli import PATH, F, cli, common, confirm, emit, open_any
 from .errors import BadInput, Interrupted
 
 
@@ -263,7 +263,7 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
     from .kit import SHORT_PASSPHRASE, check_passphrase, export_kit
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
-    vault = open_vault()
+    vault = open_any()
     vault.sealer()  # a working key, before asking anything
     passphrase = ask(True)
     check_passphrase(passphrase)
@@ -318,7 +318,7 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
     from .kit import import_kit
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
-    vault = open_vault()
+    vault = open_any()
 
     def ask_replace(old_kid: str) -> None:
         confirm(
@@ -328,8 +328,17 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
         )
 
     r = import_kit(vault, file, lambda: ask(False), ask_replace)
+    if getattr(vault, "backend", None) == "postgresql":
+        from .pgadmin import forget_destroyed
+
+        # Another host rotated: the versions the vault destroyed leave this keyring too.
+        r["destroyed_here"] = forget_destroyed(vault)  # type: ignore[arg-type]
 
     def human() -> None:
+        if r.get("destroyed_here"):
+            click.echo(
+                f"destroyed this keyring's entries of retired keys {', '.join(r['destroyed_here'])}"
+            )
         if r["restored"]:
             extra = f" (replaced key {r['replaced_kid']})" if r["replaced_kid"] else ""
             click.echo(
@@ -360,7 +369,7 @@ def key_list() -> None:
     Example:
       memvault key list
     """
-    vault = open_vault()
+    vault = open_any()
     versions = vault.key_versions()
     doc = {
         "vault_id": vault.vault_id,

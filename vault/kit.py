@@ -35,7 +35,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -52,6 +52,9 @@ from .errors import (
 from .keyjournal import entry_name
 from .schema import utcnow
 from .store import Vault
+
+if TYPE_CHECKING:
+    from .pg import PgVault
 
 KIT_FORMAT = "memvault-recovery-kit"
 KIT_VERSION = 1
@@ -292,7 +295,10 @@ def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False)
 # The two operations behind `memvault key export` / `memvault key import`
 # --------------------------------------------------------------------------
 def export_kit(
-    vault: Vault, path: str | os.PathLike[str], passphrase: str, force: bool = False
+    vault: Vault | PgVault,
+    path: str | os.PathLike[str],
+    passphrase: str,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Write the vault's current key, wrapped under `passphrase`, to a new 0600 file."""
     check_passphrase(passphrase)
@@ -304,7 +310,7 @@ def export_kit(
     return {"path": str(target), "vault_id": vault_id, "kid": kit.kid, "created_at": kit.created_at}
 
 
-def check_kit_fits(vault: Vault, kit: Kit, path: Path) -> dict[str, str]:
+def check_kit_fits(vault: Vault | PgVault, kit: Kit, path: Path) -> dict[str, str]:
     """Refuse, naming the ids, a kit from another vault or another (older) key."""
     meta = vault.meta()
     if kit.vault_id != meta["vault_id"]:
@@ -327,7 +333,7 @@ def check_kit_fits(vault: Vault, kit: Kit, path: Path) -> dict[str, str]:
 
 
 def import_kit(
-    vault: Vault,
+    vault: Vault | PgVault,
     path: str | os.PathLike[str],
     passphrase: str | Callable[[], str],
     confirm_replace: Callable[[str], None] | None = None,

@@ -4,8 +4,9 @@ The same vault as a file, only the storage differs: the same key derivation,
 envelope, kid and keyring entries (`<vault_id>/<kid>`, vault.keyjournal), the
 same meta, audit and key-journal rows (vault.pgschema). Supported so far:
 `init`, `status`, `sessions`, `show`, `clear`, `rotate` (online, vault.pgrotate),
-`export`, `search`, `verify` (vault.pgread), `backup` (vault.pgbackup), `import`
-(vault.pgimport) and agent sessions (vault.pgsession). Every other command refuses a URL in
+`purge`, `pop`, `ttl`, `log`, `revoke`, `shred`, `key list/export/import`
+(vault.pgadmin), `export`, `search`, `verify` (vault.pgread), `backup` (vault.pgbackup),
+`import` (vault.pgimport) and agent sessions (vault.pgsession). Every other command refuses a URL in
 `paths.resolve_db_path`.
 
 The library is synchronous, as `Vault` is; each operation opens one asyncpg
@@ -23,7 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from . import crypto, durations, pgrotate, pgschema
+from . import crypto, durations, pgadmin, pgrotate, pgschema
 from .db import parse_ttl
 from .errors import (
     BadInput,
@@ -40,10 +41,11 @@ from .errors import (
 from .files import Progress
 from .keyjournal import CURRENT, entry_name
 from .keys import KeyStore
+from .lifecycle import KeyVersionInfo
 from .pgbase import Keys, PgVaultBase
 from .pgschema import audit, record_key
 from .pgurl import INSTALL_HINT, parse
-from .results import Cleared, Report, SessionInfo
+from .results import Cleared, Popped, Report, SessionInfo
 from .schema import DEFAULT_TTL, FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
 from .store import COUNTS_NOTE
 
@@ -387,6 +389,34 @@ class PgVault(PgVaultBase):
         rotation that was cut off."""
         self.sealer()  # the key errors (missing, revoked) before any change
         return self._call(lambda: pgrotate.rotate(self, progress, batch))
+
+    # -- admin (vault.pgadmin) -------------------------------------------
+    def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
+        return pgadmin.purge(self, now, progress)
+
+    def pop(self, session_id: str, n: int = 1) -> Popped:
+        return pgadmin.pop(self, session_id, n)
+
+    def set_ttl(self, ttl: int | None) -> None:
+        pgadmin.set_ttl(self, ttl)
+
+    def revoke(self) -> dict[str, Any]:
+        return pgadmin.revoke(self)
+
+    def shred(self) -> dict[str, Any]:
+        return pgadmin.shred(self)
+
+    def key_versions(self) -> list[KeyVersionInfo]:
+        return pgadmin.key_versions(self)
+
+    def record(self, event: str, kid: str | None, **details: Any) -> None:
+        """Append one audit event in a transaction of its own."""
+
+        async def write(conn: Any) -> None:
+            await self._read_meta(conn)
+            await audit(conn, event, kid, **details)
+
+        self._run(write, write=True)
 
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 from . import crypto, pgrotate, pgschema
 from .db import parse_ttl
-from .errors import NotAVault, VaultBusy, VaultError
+from .errors import KeyMissing, NotAVault, VaultBusy, VaultError
 from .keyjournal import entry_name
 from .keys import KeyStore, require_key
 from .lifecycle import refuse_revoked
@@ -21,6 +21,8 @@ from .pgconn import connect, is_driver_error, run_sync, translate
 from .pgurl import PgLocation
 
 T = TypeVar("T")
+# What a host says once another host rotated and its keyring lacks the new key.
+KEY_CHANGED = "the vault's key changed: import the new recovery kit"
 Keys = dict[str, crypto.Sealer]
 
 
@@ -113,9 +115,28 @@ class PgVaultBase:
             key = ks.get(entry_name(vault_id, kid))
             if key is None and self.meta()["kid"] != kid:
                 continue  # a rotation committed and dropped that entry meanwhile
+            if key is None:
+                self._refuse_changed_key(vault_id, kid)
             self._sealer = crypto.Sealer(require_key(key, vault_id, kid, ks.name))
             return self._sealer
         raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
+
+    def _refuse_changed_key(self, vault_id: str, kid: str) -> None:
+        """The current key is not in this keyring: if an older version of this vault is,
+        another host rotated, and this one must import the new kit (KeyMissing, exit 4)."""
+
+        async def read(conn: Any) -> list[str]:
+            rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE kid <> $1", kid)
+            return [r[0] for r in rows]
+
+        held = [k for k in self._run(read) if self.keystore.get(entry_name(vault_id, k))]
+        if held:
+            raise KeyMissing(
+                f"{KEY_CHANGED} (vault {vault_id} now uses key {kid}; this keyring "
+                f"({self.keystore.name}) holds only {', '.join(sorted(held))}): on a host "
+                "that has the key run `memvault key export KIT`, bring KIT here, then run "
+                "`memvault key import KIT`"
+            )
 
     def cached_sealer(self, kid: str) -> crypto.Sealer | None:
         """The sealer of a retired key this object already loaded for a rotation, if any."""

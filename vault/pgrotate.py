@@ -3,7 +3,8 @@
 A file vault rotates in one transaction under SQLite's write lock; a server
 vault with agents on other hosts must keep serving them. So:
 
-1. One rotation at a time: a session-level advisory lock, held throughout.
+1. One rotation at a time: the vault's admin lock (vault.pglock), held throughout;
+   purge, revoke and shred take it too.
 2. The new version is recorded `pending` (committed), then its keyring entry
    is stored (the journal always knows of every entry, vault.keyjournal).
 3. The switch, one short transaction: meta `kid` = new (from here the guard
@@ -27,17 +28,16 @@ their space: it is under the old key, whose entry is destroyed at the end.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
 from . import crypto, testhooks
-from .db import lock_timeout
 from .errors import VaultBusy
 from .files import Progress
 from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, entry_name
 from .keys import require_key
 from .lifecycle import refuse_revoked
+from .pglock import admin_lock
 from .pgschema import audit, current_schema, record_key
 from .results import Report
 from .schema import MESSAGES_TABLE, utcnow
@@ -45,22 +45,8 @@ from .schema import MESSAGES_TABLE, utcnow
 if TYPE_CHECKING:
     from .pg import PgVault
 
-ROTATION_LOCK = "memvault-rotate"
 FROM, PROGRESS = "rotating_from", "rotation_progress"
 DEFAULT_BATCH = 500
-
-
-async def _take_lock(conn: Any, schema: str, where: str) -> None:
-    deadline = time.monotonic() + lock_timeout()
-    while not await conn.fetchval(
-        "SELECT pg_try_advisory_lock(hashtext($1), hashtext($2))", ROTATION_LOCK, schema
-    ):
-        if time.monotonic() >= deadline:
-            raise VaultBusy(
-                f"another rotation of {where} is running; wait for it to finish, or raise "
-                "MEMVAULT_LOCK_TIMEOUT (seconds)"
-            )
-        await asyncio.sleep(0.2)
 
 
 async def _set(conn: Any, **values: str) -> None:
@@ -80,8 +66,7 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
         schema = await current_schema(conn)
         await vault._read_meta(conn)  # no vault here: exit 3 before any lock
         assert schema is not None
-        await _take_lock(conn, schema, vault.path)
-        try:
+        async with admin_lock(conn, schema, vault.path):
             old, new = await _start_or_resume(vault, conn)
             counts = await _batches(vault, conn, old, new, progress, batch)
             async with conn.transaction():
@@ -94,10 +79,6 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
             ks.delete(entry_name(vault_id, old.kid))
             async with conn.transaction():
                 await record_key(conn, old.kid, DESTROYED)
-        finally:
-            await conn.execute(
-                "SELECT pg_advisory_unlock(hashtext($1), hashtext($2))", ROTATION_LOCK, schema
-            )
     finally:
         await conn.close()
     vault._sealer = new

@@ -23,8 +23,8 @@ _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 INSTALL_HINT = "PostgreSQL support needs `pip install memvault[postgres]`"
 # The commands (and library calls) a PostgreSQL vault supports so far.
 SUPPORTED = (
-    "init, status, sessions, show, clear, rotate, export, search, verify, backup, import, "
-    "and vault.open_session"
+    "init, status, sessions, show, clear, pop, ttl, log, purge, rotate, revoke, shred, "
+    "export, search, verify, backup, import, key list/export/import, and vault.open_session"
 )
 
 
