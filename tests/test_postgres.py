@@ -346,8 +346,8 @@ def test_exit_codes_on_a_url(pg_url: str) -> None:
     assert run_cli("--db", pg_url, "sessions").out.strip() == "no sessions"
     assert run_cli("--db", pg_url, "show", "nope").code == 1
     assert run_cli("--db", pg_url, "clear", "nope", "--yes").code == 1
-    for command in (["chat"],):
-        r = run_cli("--db", pg_url, *command)
+    for command in (["chat", "s"],):
+        r = run_cli("--db", pg_url, *command, env={"OPENAI_API_KEY": "sk-never-used"})
         assert r.code == 2, (command, r)
         assert "does not support yet" in r.err and r.err.count("\n") == 1
     r = run_cli("--db", pg_url.replace(secret, "wrong"), "status")
