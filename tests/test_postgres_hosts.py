@@ -413,7 +413,6 @@ def test_writers_never_wait_longer_than_one_batch_of_the_rotation(url: str, tmp_
     start, end = at["pg-rotate-after-pending"], at["pg-rotate-after-finish"]
     span = end - start
     waits = [x for w in writers for x in w.waits_within(start, end)]
-    assert len(waits) >= 3 * 3, "the writers hardly wrote during the rotation"
     worst = max(waits)
     # One add_items during a rotation may be refused once by the guard, reload the key
     # and write again, besides waiting for the one transaction it met: twice a normal
@@ -428,6 +427,7 @@ def test_writers_never_wait_longer_than_one_batch_of_the_rotation(url: str, tmp_
     print(summary)
     assert worst <= 2 * longest_tx + slack, summary
     assert worst < span / 3, summary
+    assert len(waits) >= 3 * 3, "the writers hardly wrote during the rotation"
     assert_all_there(url, acked)
     assert_one_key_left(url)
 
