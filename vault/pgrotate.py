@@ -131,6 +131,13 @@ async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, cr
     testhooks.failpoint("pg-rotate-after-pending")
     async with conn.transaction():
         kid = await conn.fetchval("SELECT value FROM memvault_meta WHERE key = 'kid' FOR UPDATE")
+        # A writer whose guard passed under the old kid but that has not committed yet
+        # would commit its row under the old key behind the batches (invisible to them),
+        # after the old entry is gone: wait for the writes in flight. SHARE mode lets
+        # readers through and holds new writers only until this short transaction
+        # commits; their guard then sees the new kid. (After the meta row: the library's
+        # own changes lock that row before the table, so the order cannot deadlock.)
+        await conn.execute(f"LOCK TABLE {MESSAGES_TABLE} IN SHARE MODE")
         if kid != old.kid:  # cannot happen under the lock; refuse rather than guess
             raise VaultBusy(f"{vault.path} changed key while the rotation began; try again")
         await _set(conn, kid=new.kid, rotated_at=utcnow(), **{FROM: old.kid, PROGRESS: "0"})
