@@ -231,6 +231,15 @@ def run_chat(db: str | None, session_id: str, model_name: str | None) -> int:
     if not session_id.strip():
         raise BadInput("the session id is empty")
     model = require_model(model_name)
-    vault = Vault.open(paths.resolve_db_path(db))
+    from .pgurl import is_url, location_text
+
+    where = location_text(db)
+    vault: Any
+    if is_url(where):
+        from .pg import PgVault  # the same session, over the SDK's SQLAlchemySession
+
+        vault = PgVault.open(str(where))
+    else:
+        vault = Vault.open(paths.resolve_db_path(db))
     vault.sealer()  # the key is checked before the first prompt
     return asyncio.run(Chat(vault, session_id, model).run())

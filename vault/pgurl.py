@@ -24,7 +24,8 @@ INSTALL_HINT = "PostgreSQL support needs `pip install memvault[postgres]`"
 # The commands (and library calls) a PostgreSQL vault supports so far.
 SUPPORTED = (
     "init, status, sessions, show, clear, pop, ttl, log, purge, rotate, revoke, shred, "
-    "export, search, verify, backup, import, key list/export/import, and vault.open_session"
+    "export, search, verify, backup, import, chat, key list/export/import, and "
+    "vault.open_session"
 )
 
 
