@@ -612,3 +612,45 @@ def test_chat_on_a_url_keeps_the_conversation_in_postgres(pg_vault: Any, pg_url:
     texts = json.dumps(shown.json()["items"])
     assert "hello from chat" in texts and "and again" in texts
     assert "heard 'and again' after" in texts  # the second run's model saw the first turn
+
+
+def test_a_row_left_under_the_old_key_behind_the_batches_is_moved_before_the_key_goes(
+    pg_vault: Any, pg_url: str
+) -> None:
+    """The old key is retired only when no row under it remains: a row committed under
+    it behind the batches' progress (as a writer whose snapshot predates the switch
+    could) is re-encrypted before the old key's entry is destroyed."""
+    import vault
+    from vault import crypto
+    from vault.keyjournal import entry_name
+    from vault.keys import KeyStore
+
+    async def write() -> None:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"turn {i}"} for i in range(600)])
+
+    asyncio.run(write())  # more than one batch of 500
+    r = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_FAILPOINT": "pg-rotate-after-batch"})
+    assert r.code == -9, r  # killed after its first batch: the first rows are moved
+    meta = dict(sql(pg_url, "SELECT key, value FROM memvault_meta"))
+    old_key = KeyStore().get(entry_name(meta["vault_id"], meta["rotating_from"]))
+    assert old_key is not None
+    first = sql(pg_url, "SELECT min(id) AS id FROM agent_messages")[0]["id"]
+    assert raw_kids(pg_url)[0] == meta["kid"]  # already under the new key
+    behind = crypto.Sealer(old_key).seal("s1", {"role": "user", "content": "turn 0"})
+    sql(
+        pg_url,
+        "ALTER TABLE agent_messages DISABLE TRIGGER USER",
+        "UPDATE agent_messages SET message_data = $1 WHERE id = $2",
+        args=(behind, first),
+    )
+    sql(pg_url, "ALTER TABLE agent_messages ENABLE TRIGGER USER")
+
+    r = run_cli("--db", pg_url, "--json", "rotate")
+
+    assert r.code == 0, r
+    shown = run_cli("--db", pg_url, "--json", "show", "s1")
+    assert shown.code == 0, shown  # every item still opens: none under a destroyed key
+    assert [i["content"] for i in shown.json()["items"]] == [f"turn {i}" for i in range(600)]
+    assert set(raw_kids(pg_url)) == {meta["kid"]}
+    assert r.json()["stragglers"] == 1, r.json()

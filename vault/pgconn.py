@@ -26,6 +26,11 @@ def server_settings(loc: PgLocation) -> dict[str, str]:
     memvault's MEMVAULT_LOCK_TIMEOUT=0 means "do not wait"."""
     settings = loc.server_settings()
     settings["lock_timeout"] = str(max(1, int(lock_timeout() * 1000)))
+    # Whatever the server's or the role's default: a rotation's switch relies on a
+    # writer's guard reading the meta as committed after the switch. Under REPEATABLE
+    # READ a writer that took its snapshot before the switch would still pass the guard
+    # with the old key id.
+    settings["default_transaction_isolation"] = "read committed"
     return settings
 
 
