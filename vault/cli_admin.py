@@ -53,8 +53,9 @@ def purge(yes: bool) -> None:
     if _on_postgres(vault):
         from .pgadmin import PG_PURGE_NOTE
 
-        doc["scrub"] = PG_PURGE_NOTE
-        note = f"\nscrub: {PG_PURGE_NOTE}" if report.counts["deleted"] else ""
+        deleted = report.counts["deleted"]
+        doc["scrub"] = PG_PURGE_NOTE if deleted else "nothing deleted: no VACUUM was needed"
+        note = f"\nscrub: {PG_PURGE_NOTE}" if deleted else ""
     emit(
         doc,
         lambda: click.echo(
