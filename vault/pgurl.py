@@ -54,24 +54,18 @@ def is_url(value: str | os.PathLike[str] | None) -> bool:
 def redact_url(url: str) -> str:
     """The URL with its password (in the user part or the query) replaced by `***`.
 
-    Works on malformed URLs too (no parsing that could fail): whatever sits between
-    `user:` and the last `@` before the host is hidden.
+    Works on malformed URLs too (no parsing that could fail). A password typed
+    without percent-encoding may hold `/`, `?`, `#` or `@`, so the user part runs to
+    the last `@` of the whole URL: when in doubt this hides too much, never too little.
     """
-    # The last '@' of the authority separates the user part (a password may contain '@').
     head, sep, rest = url.partition("://")
     if sep:
-        authority_end = len(rest)
-        for ch in "/?#":
-            i = rest.find(ch)
-            if i >= 0:
-                authority_end = min(authority_end, i)
-        authority = rest[:authority_end]
-        at = authority.rfind("@")
+        at = rest.rfind("@")
         if at >= 0:
-            userinfo = authority[:at]
+            userinfo = rest[:at]
             if ":" in userinfo:
                 userinfo = userinfo.split(":", 1)[0] + ":***"
-            url = f"{head}://{userinfo}@{authority[at + 1 :]}{rest[authority_end:]}"
+            url = f"{head}://{userinfo}@{rest[at + 1 :]}"
     return _SECRET_PARAM.sub(r"\1***", url)
 
 
@@ -114,6 +108,15 @@ def parse(url: str) -> PgLocation:
             "postgresql+asyncpg://user:password@host:port/dbname; nothing was changed"
         )
     rest = url[m.end() :]
+    authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    if rest.rfind("@") > authority_end:
+        # An unencoded '/', '?' or '#' in the password would split it into the host,
+        # the database or the query, and a message could then show a piece of it.
+        raise BadInput(
+            f"{shown}: an '@' comes after a '/', '?' or '#'; percent-encode those characters "
+            "in the user name and password (/ is %2F, ? is %3F, # is %23, @ is %40); "
+            "nothing was changed"
+        )
     base, _, query = rest.partition("?")
     query, _, _fragment = query.partition("#")
     params = urllib.parse.parse_qsl(query, keep_blank_values=True)
