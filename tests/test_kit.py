@@ -10,6 +10,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import (
     add_items,
     assistant,
@@ -346,3 +348,27 @@ def test_help_of_the_key_commands_has_an_example() -> None:
         assert r.code == 0, r
         assert "Usage: memvault " + " ".join(args) in r.out and "Example" in r.out
     assert "Exit codes" in run_cli("key", "import", "--help").out
+
+
+def test_a_revoke_racing_an_import_leaves_no_key_behind(
+    vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    from vault.errors import VaultError
+    from vault.kit import import_kit
+
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    importer = type(vault).open(vault_db)
+    real_get = importer.keystore.get
+    raced: list[Any] = []
+
+    def get_after_a_revoke(name: str) -> Any:
+        if not raced:  # another process revokes between the kit check and the store
+            raced.append(run_cli("revoke", "--yes"))
+        return real_get(name)
+
+    monkeypatch.setattr(importer.keystore, "get", get_after_a_revoke)
+    with pytest.raises(VaultError, match="revoked"):
+        import_kit(importer, kit, PASS)
+    assert raced[0].code == 0, raced[0]
+    assert keyring_entries(vault.vault_id) == {}

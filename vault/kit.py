@@ -48,6 +48,7 @@ from .errors import (
     KeyProblem,
     KeyRevoked,
     OperationFailed,
+    VaultError,
 )
 from .keyjournal import entry_name
 from .schema import utcnow
@@ -372,9 +373,17 @@ def import_kit(
             confirm_replace(replaced)  # raises to refuse
     if state != "present":
         ks.set(name, key)  # verified by reading it back
-    fresh = vault.sealer(refresh=True)  # a 0.1.0 file moves to the new layout here
-    if fresh.kid != meta["kid"]:
-        raise KeyProblem(f"the keyring did not keep the restored key for vault {vault_id}")
+    try:
+        fresh = vault.sealer(refresh=True)  # a 0.1.0 file moves to the new layout here
+        if fresh.kid != meta["kid"]:
+            raise KeyProblem(f"the keyring did not keep the restored key for vault {vault_id}")
+    except BaseException:
+        # A revoke or shred that ran since the kit was checked destroyed the entries it
+        # knew of before this one was stored: the entry this import added goes too.
+        if state == "missing":
+            with contextlib.suppress(VaultError):
+                ks.delete(name)
+        raise
     extra = {"replaced_kid": replaced} if replaced else {}
     vault.record("key-import", kit.kid, keyring_before=state, **extra)
     return {
