@@ -478,3 +478,24 @@ def test_two_hosts_share_a_vault_and_a_rotation_needs_the_new_kit(
     assert r.code == 0 and r.json()["already_revoked"] is True, r
     assert r.json()["destroyed_kids"] == [kid2]
     assert host_b_keys(tmp_path) == set() and keyring_entries(vault_id) == {}
+
+
+def test_shred_keeps_a_schema_it_did_not_create(pg_url: str) -> None:
+    # A schema made before `init` (as `public`, or one a DBA set up with its grants) is
+    # the user's: shred takes the vault out of it and leaves it, saying why.
+    schema = schema_of(pg_url)
+    sql(SERVER_URL, f'CREATE SCHEMA "{schema}"')
+    assert run_cli("--db", pg_url, "init").code == 0
+    write(pg_url, "s1", ["secret"])
+    r = run_cli("--db", pg_url, "--json", "shred", "--yes")
+    assert r.code == 0, r
+    doc = r.json()
+    assert doc["schema_dropped"] is False, doc
+    assert doc["schema_kept_because"] == "memvault init did not create it"
+    assert schema_exists(schema) and tables_in(schema) == []
+    # Created by init: dropped, and the report has no reason to give.
+    sql(SERVER_URL, f'DROP SCHEMA "{schema}"')
+    assert run_cli("--db", pg_url, "init").code == 0
+    r = run_cli("--db", pg_url, "shred", "--yes")
+    assert r.code == 0 and f"schema {schema} dropped" in r.out, r
+    assert not schema_exists(schema)

@@ -180,9 +180,10 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     SECURITY.md).
 
     On a PostgreSQL vault (a URL): the key versions, then the rows (VACUUM
-    after), the vault's tables, and the URL's schema if nothing else is in it.
-    There are no files to overwrite: the report says so. Only this host's
-    keyring entries go: run `memvault revoke --yes` on every other host first.
+    after), the vault's tables, and the URL's schema if `memvault init` created it and
+    nothing else is in it (never `public` or a schema made by someone else). There
+    are no files to overwrite: the report says so. Only this host's keyring
+    entries go: run `memvault revoke --yes` on every other host first.
 
     --receipt FILE must name a new file in an existing, writable folder: an
     existing file or link is never replaced. It is checked before anything is
@@ -192,7 +193,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     Example:
       memvault shred --yes --receipt shred-receipt.json
     """
-    from .files import check_new_file, write_private
+    from .files import check_new_file
     from .shred import regular_files, shred_target
 
     if postgres_url() is not None:
@@ -211,15 +212,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
             bar.length = max(total, 1)  # the checkpoint may have emptied the WAL
 
         r = shred(path, progress=bar.update if bar else None, on_total=resize if bar else None)
-    failure = None
-    if receipt is not None:
-        try:
-            write_private(receipt, (json.dumps(r, indent=2, sort_keys=True) + "\n").encode())
-        except OSError as exc:
-            failure = (
-                f"the vault was shredded, but the receipt {receipt} could not be written "
-                f"({exc.strerror}); keep the summary printed above instead"
-            )
+    failure = _write_receipt(receipt, r)
     emit(r, lambda: click.echo(_shred_summary(r)))
     if failure:
         raise OperationFailed(failure)
@@ -227,7 +220,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
 
 def _shred_postgres(yes: bool, receipt: str | None) -> None:
     """`shred` on a URL: key, rows, tables; no files to overwrite (vault.pgadmin.shred)."""
-    from .files import check_new_file, write_private
+    from .files import check_new_file
 
     vault = open_any()  # no vault: exit 3 before anyone is asked
     if receipt is not None:
@@ -239,23 +232,15 @@ def _shred_postgres(yes: bool, receipt: str | None) -> None:
         "(run `memvault revoke --yes` on each before a shred; afterwards delete "
         f"memvault/{r['vault_id']}/<kid> there, e.g. `keyring del memvault {r['vault_id']}/KID`)"
     )
-    failure = None
-    if receipt is not None:
-        try:
-            write_private(receipt, (json.dumps(r, indent=2, sort_keys=True) + "\n").encode())
-        except OSError as exc:
-            failure = (
-                f"the vault was shredded, but the receipt {receipt} could not be written "
-                f"({exc.strerror}); keep the summary printed above instead"
-            )
+    failure = _write_receipt(receipt, r)
 
     def human() -> None:
         key = f"destroyed ({_kids(r)})" if r.get("key_destroyed") else "already gone"
-        schema = {True: "dropped", False: "kept (it holds other objects)", None: "not the URL's"}
+        schema = "dropped" if r["schema_dropped"] else f"kept ({r['schema_kept_because']})"
         click.echo(
             f"shredded {r['path']}: {r['items']} item(s) in {r['sessions']} session(s); key "
             f"{key}; tables {', '.join(r['tables_dropped'])} deleted, VACUUMed and dropped; "
-            f"schema {r['schema']} {schema[r['schema_dropped']]}\n"
+            f"schema {r['schema']} {schema}\n"
             f"files: {r['files_note']}\n"
             f"other hosts: {r['other_hosts']}"
         )
@@ -263,6 +248,22 @@ def _shred_postgres(yes: bool, receipt: str | None) -> None:
     emit(r, human)
     if failure:
         raise OperationFailed(failure)
+
+
+def _write_receipt(receipt: str | None, r: dict[str, Any]) -> str | None:
+    """Write shred's report to the receipt file; the message to raise if it could not be."""
+    from .files import write_private
+
+    if receipt is None:
+        return None
+    try:
+        write_private(receipt, (json.dumps(r, indent=2, sort_keys=True) + "\n").encode())
+    except OSError as exc:
+        return (
+            f"the vault was shredded, but the receipt {receipt} could not be written "
+            f"({exc.strerror}); keep the summary printed above instead"
+        )
+    return None
 
 
 def _shred_summary(r: dict[str, Any]) -> str:

@@ -110,7 +110,13 @@ class PgVault(PgVaultBase):
         vault_id = "mv-" + secrets.token_hex(12)
 
         async def create(conn: Any) -> None:
+            created = None
             if vault.loc.schema:
+                # Shred drops only a schema init created, never one a DBA (or the server) made.
+                if not await conn.fetchval(
+                    "SELECT 1 FROM pg_namespace WHERE nspname = $1", vault.loc.schema
+                ):
+                    created = vault.loc.schema
                 await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {pgschema._q(vault.loc.schema)}")
             schema = await pgschema.current_schema(conn)
             if schema is None:
@@ -144,6 +150,8 @@ class PgVault(PgVaultBase):
                 "created_at": now,
                 "rotated_at": now,
             }
+            if created:
+                meta["schema_created"] = created
             await conn.executemany(
                 "INSERT INTO memvault_meta (key, value) VALUES ($1, $2)", list(meta.items())
             )

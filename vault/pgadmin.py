@@ -11,8 +11,8 @@ vault.lifecycle, vault.shred); `PgVault` delegates here. What differs:
   the key is the guarantee; deleting the rows is best effort (SECURITY.md).
 * `shred` has no files to overwrite: it destroys every recorded key version's
   keyring entry, deletes the rows, VACUUMs, then drops the vault's tables, and the
-  URL's `?schema=` if nothing else is left in it. A shred cut off at any step is
-  finished by the next one, with the same report.
+  URL's `?schema=` if `memvault init` created it and nothing else is left in it.
+  A shred cut off at any step is finished by the next one, with the same report.
 * Revoke and shred destroy the entries of this host's keyring only: every other
   host runs `memvault revoke` too (README, "Several hosts").
 """
@@ -285,6 +285,7 @@ def shred(vault: PgVault) -> dict[str, Any]:
             vault_id = meta["vault_id"]
             kid = meta.get("revoked_kid", meta["kid"])
             report["vault_id"], report["kid"] = vault_id, kid
+            created = meta.get("schema_created")
             if "shred_started" in meta:
                 report.update(json.loads(meta["shred_started"]))
                 report["resumed"] = True
@@ -333,7 +334,9 @@ def shred(vault: PgVault) -> dict[str, Any]:
             await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
         report["tables_dropped"] = list(VAULT_TABLES)
         report["vacuumed"] = True
-        report["schema_dropped"] = await _drop_schema(vault, conn, schema)
+        report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
+            conn, schema, created
+        )
         report["files"] = []
         report["files_note"] = PG_SHRED_FILES_NOTE
         report["at"] = utcnow()
@@ -346,19 +349,25 @@ def shred(vault: PgVault) -> dict[str, Any]:
         vault._others.clear()
 
 
-async def _drop_schema(vault: PgVault, conn: Any, schema: str) -> bool | None:
-    """Drop the URL's `?schema=` when nothing else is in it (True); False: it holds other
-    objects, kept; None: the vault was in the server's default schema, never dropped."""
-    if vault.loc.schema is None or vault.loc.schema != schema:
-        return None
+async def _drop_schema(conn: Any, schema: str, created: str | None) -> tuple[bool, str | None]:
+    """Drop the vault's schema if `memvault init` created it and nothing else is in it.
+
+    The tables are gone already, so a refusal here (other objects, no privilege) keeps
+    the schema and says why: the shred itself has succeeded.
+    """
+    if created != schema:
+        return False, "memvault init did not create it"
     try:
         async with conn.transaction():
             await conn.execute(f"DROP SCHEMA {_q(schema)} RESTRICT")
     except Exception as exc:
-        if getattr(exc, "sqlstate", None) != "2BP01":  # dependent objects still exist
+        state = getattr(exc, "sqlstate", None)
+        if state == "2BP01":  # dependent objects still exist
+            return False, "it holds other objects"
+        if state is None:
             raise
-        return False
-    return True
+        return False, f"the server refused to drop it ({state})"
+    return True, None
 
 
 def key_versions(vault: PgVault) -> list[KeyVersionInfo]:
