@@ -171,6 +171,28 @@ def test_ttl_purge_deletes_expired_items_keeps_fresh_and_unreadable_ones(
         time.sleep(0.5)
 
 
+def test_an_open_session_applies_a_ttl_changed_by_another_process(
+    pg_vault: Any, pg_url: str
+) -> None:
+    import vault
+
+    # pg_vault's TTL is 1h: an item sealed 2h ago is expired, one sealed now is not.
+    insert_sealed(pg_url, "s1", ["two hours old"], int(time.time()) - 7200)
+    insert_sealed(pg_url, "s1", ["fresh"], None)
+
+    async def read(session: Any) -> list[str]:
+        return [i["content"] for i in await session.get_items()]
+
+    session = vault.open_session("s1", pg_url)
+    assert asyncio.run(read(session)) == ["fresh"]
+    assert run_cli("--db", pg_url, "ttl", "3h").code == 0
+    assert asyncio.run(read(session)) == ["two hours old", "fresh"]
+    assert run_cli("--db", pg_url, "ttl", "1h").code == 0
+    assert asyncio.run(read(session)) == ["fresh"]
+    assert run_cli("--db", pg_url, "ttl", "never").code == 0
+    assert asyncio.run(read(session)) == ["two hours old", "fresh"]
+
+
 def test_pop_ttl_and_log_on_a_url(pg_vault: Any, pg_url: str) -> None:
     write(pg_url, "s1", ["one", "two", "three"])
     r = run_cli("--db", pg_url, "--json", "pop", "s1", "-n", "2")

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 from agents import SessionSettings
 from agents.extensions.memory import EncryptedSession
 from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+from sqlalchemy import event
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from . import crypto
-from .db import lock_timeout
+from .db import lock_timeout, parse_ttl
 from .errors import UnknownSession, VaultError
 from .pgconn import CONNECT_TIMEOUT, server_settings, translate
 from .schema import GUARD_MESSAGE
@@ -75,6 +76,10 @@ class PgVaultSession(VaultSession):
             poolclass=NullPool,
             connect_args={"server_settings": settings, "timeout": CONNECT_TIMEOUT},
         )
+        # Every operation connects afresh (NullPool): that connection first reads the TTL,
+        # so a `memvault ttl` run on any host applies at this session's next read, as a
+        # SQLite session sees it through the file's data_version.
+        event.listen(engine.sync_engine, "connect", self._read_ttl)
         underlying = VaultSQLAlchemySession(
             session_id, engine=engine, create_tables=False, session_settings=session_settings
         )
@@ -86,6 +91,20 @@ class PgVaultSession(VaultSession):
             ttl=vault.ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
         )
         self._use(sealer)
+
+    def _read_ttl(self, dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SELECT value FROM memvault_meta WHERE key = 'ttl_seconds'")
+            row = cursor.fetchone()
+        except Exception:
+            # No vault there any more: the operation itself reports it, translated.
+            dbapi_connection.rollback()
+            return
+        finally:
+            cursor.close()
+        if row is not None:
+            self.ttl = parse_ttl({"ttl_seconds": row[0]}, self._db_path)  # type: ignore[assignment]
 
     def _unwrap(self, item: Any) -> Any:
         # As VaultSession's (reload the key when the vault moved on), and while an online
