@@ -877,8 +877,12 @@ def writer_during(db: str, env: dict[str, str], cmd: list[str]) -> tuple[float, 
             time.sleep(0.5)  # some writes before the rotation, for the median
             secs, _peak, _out = timed_child(cmd, env)
             time.sleep(0.5)
-        finally:
-            stop.touch()
+        except BaseException:
+            # The stop file goes with the temporary folder: the writer would never see it.
+            proc.kill()
+            proc.communicate()
+            raise
+        stop.touch()
         _o, err = proc.communicate(timeout=300)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"the writer failed ({proc.returncode}): {err}")
