@@ -20,6 +20,7 @@ import os
 import sqlite3
 import stat
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,8 +148,9 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
     )
 
 
-def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
-    """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items).
+def write_new_copy(target: Path, fill: Callable[[], None]) -> tuple[str, str, int, int]:
+    """Create `target` (new, private, empty), let `fill` write a vault into it, check it is
+    still the file created, settle and check it; (kid, vault_id, sessions, items).
 
     Anything that fails after the file was created removes it again (and its side files).
     """
@@ -166,6 +168,22 @@ def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
         ) from None
     created = os.lstat(target)
     try:
+        fill()
+        now = os.lstat(target)
+        if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
+            raise OperationFailed(
+                f"{target} was replaced while the backup was written; the backup was not made"
+            )
+        return _settle(target)
+    except BaseException:
+        _remove(target, created)
+        raise
+
+
+def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
+    """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items)."""
+
+    def vacuum_into() -> None:
         with vault.connection() as conn:
             # VACUUM INTO accepts an existing empty file and keeps its mode. The
             # connection takes URIs, so the name is passed as one (a '?' or '#' in a
@@ -180,15 +198,8 @@ def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
                     "the free space and the permissions of its folder"
                 ) from None
         testhooks.failpoint("backup-vacuumed")
-        now = os.lstat(target)
-        if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
-            raise OperationFailed(
-                f"{target} was replaced while the backup was written; the backup was not made"
-            )
-        return _settle(target)
-    except BaseException:
-        _remove(target, created)
-        raise
+
+    return write_new_copy(target, vacuum_into)
 
 
 def _settle(target: Path) -> tuple[str, str, int, int]:

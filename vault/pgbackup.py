@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import backup as file_backup
-from . import files, pgrotate, pgschema
+from . import pgrotate, pgschema
 from .db import connect, sqlite_errors
-from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
+from .errors import KeyProblem, KeyRevoked, OperationFailed, VaultBusy
 from .keyjournal import CURRENT, DESTROYED
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
 from .verify import BATCH
@@ -39,30 +39,9 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     """
     _refuse(vault, vault.meta())
     target = file_backup.check_destination(dest)
-    try:
-        files.write_private(target, b"")  # O_EXCL | O_NOFOLLOW, 0600 from the first byte
-    except FileExistsError:
-        raise BadInput(
-            f"{target} appeared while the backup was starting; give a new file name; "
-            "nothing was written"
-        ) from None
-    except OSError as exc:
-        raise OperationFailed(
-            f"cannot create {target} ({exc.strerror}); choose a writable folder; "
-            "nothing was written"
-        ) from None
-    created = os.lstat(target)
-    try:
-        _copy(vault, target)
-        now = os.lstat(target)
-        if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
-            raise OperationFailed(
-                f"{target} was replaced while the backup was written; the backup was not made"
-            )
-        kid, vault_id, sessions, items = file_backup._settle(target)
-    except BaseException:
-        file_backup._remove(target, created)
-        raise
+    kid, vault_id, sessions, items = file_backup.write_new_copy(
+        target, lambda: _copy(vault, target)
+    )
     key_problem: str | None = None
     try:
         key_kid = vault.sealer(refresh=True).kid

@@ -27,9 +27,6 @@ from typing import TYPE_CHECKING, Any
 from . import crypto, pgrotate, pgschema
 from .db import parse_ttl
 from .errors import (
-    KeyProblem,
-    KeyRevoked,
-    NotAVault,
     OperationFailed,
     VaultBusy,
     VaultError,
@@ -201,7 +198,8 @@ def verify(url: str, keystore: KeyStore | None = None) -> PgVerifyReport:
 
 def _keys(vault: PgVault, report: VerifyReport) -> dict[str, crypto.Sealer] | None:
     """The sealers of every kid in use (the current one; the old one while a rotation runs)."""
-    try:
+
+    def load() -> dict[str, crypto.Sealer]:
         current = vault.sealer(refresh=True)
         keys = {current.kid: current}
         old_kid = vault.meta().get(pgrotate.FROM)
@@ -209,16 +207,9 @@ def _keys(vault: PgVault, report: VerifyReport) -> dict[str, crypto.Sealer] | No
             old = vault.sealer_for_kid(old_kid)
             if old is not None:
                 keys[old_kid] = old
-    except KeyProblem as exc:
-        report.key = "key revoked" if isinstance(exc, KeyRevoked) else "unusable"
-        report.key_error = exc
-        report.unverified_reason = "no usable key"
-        return None
-    except NotAVault:
-        report.unverified_reason = "the meta does not name the vault's key"
-        return None
-    report.key = "present and matching"
-    return keys
+        return keys
+
+    return report.load_keys(load)
 
 
 async def _schema(conn: Any, report: VerifyReport) -> bool:

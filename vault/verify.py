@@ -17,9 +17,10 @@ import functools
 import os
 import re
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from . import crypto, paths
 from .db import check_header, is_damage, parse_ttl, refuse_odd_side_files
@@ -27,6 +28,8 @@ from .errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
 from .keys import KeyStore
 from .schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
 from .store import Vault
+
+T = TypeVar("T")
 
 BATCH = 500
 # Detail lines kept per problem: the counts are exact, the examples are a sample.
@@ -108,6 +111,23 @@ class VerifyReport:
         if len(shown) < MAX_DETAILS:
             shown.append(detail)
 
+    def load_keys(self, load: Callable[[], T]) -> T | None:
+        """`load()` (the vault's key or keys), or None with the reason recorded: no usable
+        key (revoked, missing, damaged), or meta that names none."""
+        try:
+            keys = load()
+        except KeyProblem as exc:
+            self.key = "key revoked" if isinstance(exc, KeyRevoked) else "unusable"
+            self.key_error = exc
+            self.unverified_reason = "no usable key"
+            return None
+        except NotAVault:
+            # Meta without vault id or kid: the meta check reports it; no key to look up.
+            self.unverified_reason = "the meta does not name the vault's key"
+            return None
+        self.key = "present and matching"
+        return keys
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
@@ -139,7 +159,7 @@ def verify(
     vault = Vault(path, keystore)
     for _attempt in range(50):
         report = VerifyReport(str(path))
-        sealer = _sealer(vault, report)
+        sealer = report.load_keys(lambda: vault.sealer(refresh=True))
         with vault.connection() as conn:
             conn.execute("BEGIN")  # one snapshot: meta, kid and rows agree
             meta = _meta(conn, report)
@@ -153,22 +173,6 @@ def verify(
     raise VaultBusy(
         f"{path} kept changing key while being verified (rotations in a loop?); try again"
     )
-
-
-def _sealer(vault: Vault, report: VerifyReport) -> crypto.Sealer | None:
-    try:
-        sealer = vault.sealer(refresh=True)
-    except KeyProblem as exc:
-        report.key = "key revoked" if isinstance(exc, KeyRevoked) else "unusable"
-        report.key_error = exc
-        report.unverified_reason = "no usable key"
-        return None
-    except NotAVault:
-        # Meta without vault id or kid: `_meta` reports it; there is no key to look up.
-        report.unverified_reason = "the meta does not name the vault's key"
-        return None
-    report.key = "present and matching"
-    return sealer
 
 
 def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:
