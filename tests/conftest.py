@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import pty
+import secrets
 import select
 import shutil
 import signal
@@ -143,6 +144,35 @@ def run_cli(
 @pytest.fixture
 def cli() -> Any:
     return run_cli
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A URL into a fresh schema of the test server; the schema is dropped afterwards."""
+    from tests.pgserver import SERVER_URL, sql
+
+    schema = "t_" + secrets.token_hex(6)
+    url = f"{SERVER_URL}?schema={schema}"
+    yield url
+    from vault.keyjournal import entry_name
+    from vault.keys import KeyStore
+
+    if sql(url, "SELECT to_regclass('memvault_keys') IS NOT NULL AS x")[0]["x"]:
+        ks = KeyStore()
+        for vault_id, kid in sql(
+            url,
+            "SELECT (SELECT value FROM memvault_meta WHERE key = 'vault_id'), kid "
+            "FROM memvault_keys",
+        ):
+            ks.delete(entry_name(vault_id, kid))
+    sql(SERVER_URL, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture
+def pg_vault(pg_url: str) -> Any:
+    from vault.pg import PgVault
+
+    return PgVault.init(pg_url, ttl=3600)
 
 
 @pytest.fixture

@@ -15,82 +15,16 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.pgserver import MARKS, SERVER_URL, entries_left, password, raw_kids, sql
 
-URL_VAR = "MEMVAULT_TEST_POSTGRES_URL"
-SERVER_URL = os.environ.get(URL_VAR, "")
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not SERVER_URL,
-        reason=f"needs a PostgreSQL server: run scripts/with-postgres scripts/test -m postgres "
-        f"(or set {URL_VAR})",
-    ),
-]
+pytestmark = MARKS
 CODE = "ZEPHYR-4821"
-
-
-def password() -> str:
-    from vault.pgurl import parse
-
-    base = parse(SERVER_URL).dsn.split("://", 1)[1].split("@", 1)[0]
-    assert ":" in base, "the test server's URL must carry a password (redaction is tested)"
-    return base.split(":", 1)[1]
-
-
-def sql(url: str, *statements: str, args: tuple[Any, ...] = ()) -> list[Any]:
-    """Run statements on a plain connection into the URL's schema; the last one's rows."""
-    import asyncpg
-
-    from vault.pgurl import parse
-
-    loc = parse(url)
-
-    async def go() -> list[Any]:
-        conn = await asyncpg.connect(loc.dsn, server_settings=loc.server_settings())
-        try:
-            rows: list[Any] = []
-            for i, statement in enumerate(statements):
-                last = i == len(statements) - 1
-                rows = await conn.fetch(statement, *(args if last else ()))
-            return rows
-        finally:
-            await conn.close()
-
-    return asyncio.run(go())
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A URL into a fresh schema of the test server; the schema is dropped afterwards."""
-    schema = "t_" + secrets.token_hex(6)
-    url = f"{SERVER_URL}?schema={schema}"
-    yield url
-    from vault.keyjournal import entry_name
-    from vault.keys import KeyStore
-
-    if sql(url, "SELECT to_regclass('memvault_keys') IS NOT NULL AS x")[0]["x"]:
-        ks = KeyStore()
-        for vault_id, kid in sql(
-            url,
-            "SELECT (SELECT value FROM memvault_meta WHERE key = 'vault_id'), kid "
-            "FROM memvault_keys",
-        ):
-            ks.delete(entry_name(vault_id, kid))
-    sql(SERVER_URL, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
-@pytest.fixture
-def pg_vault(pg_url: str) -> Any:
-    from vault.pg import PgVault
-
-    return PgVault.init(pg_url, ttl=3600)
 
 
 def all_text(url: str) -> str:
@@ -457,25 +391,6 @@ def test_commands_on_a_url_do_not_import_the_agents_sdk(pg_vault: Any, pg_url: s
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert "HEAVY: EXIT:0" in proc.stderr, proc.stderr[-1000:]
-
-
-def raw_kids(url: str) -> list[str | None]:
-    from vault.pgrotate import kid_of
-
-    return [kid_of(r["message_data"]) for r in sql(url, "SELECT * FROM agent_messages ORDER BY id")]
-
-
-def entries_left(url: str) -> dict[str, bool]:
-    """Each key version the journal records: whether its keyring entry still exists."""
-    from vault.keyjournal import entry_name
-    from vault.keys import KeyStore
-
-    ks = KeyStore()
-    vault_id = sql(url, "SELECT value FROM memvault_meta WHERE key = 'vault_id'")[0]["value"]
-    return {
-        r["kid"]: ks.get(entry_name(vault_id, r["kid"])) is not None
-        for r in sql(url, "SELECT kid FROM memvault_keys")
-    }
 
 
 def test_online_rotation_serves_readers_and_writers_between_batches(

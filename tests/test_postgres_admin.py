@@ -21,22 +21,10 @@ from typing import Any
 
 import pytest
 
-from tests import test_postgres
 from tests.conftest import MEMORY_BACKEND, ROOT, keyring_entries, run_cli
-from tests.test_postgres import SERVER_URL, URL_VAR, sql
+from tests.pgserver import MARKS, SERVER_URL, sql
 
-# The fixtures of tests.test_postgres: a fresh schema per test, dropped afterwards.
-pg_url = test_postgres.pg_url
-pg_vault = test_postgres.pg_vault
-
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not SERVER_URL,
-        reason=f"needs a PostgreSQL server: run scripts/with-postgres scripts/test -m postgres "
-        f"(or set {URL_VAR})",
-    ),
-]
+pytestmark = MARKS
 BUSY = "another rotation, purge, revoke or shred of"
 KEY_CHANGED = "the vault's key changed: import the new recovery kit"
 

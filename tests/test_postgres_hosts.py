@@ -30,16 +30,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, run_cli
-from tests.test_postgres import SERVER_URL, URL_VAR, entries_left, raw_kids, sql
+from tests.pgserver import MARKS, SERVER_URL, entries_left, raw_kids, sql
 
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not SERVER_URL,
-        reason=f"needs a PostgreSQL server: run scripts/with-postgres scripts/test -m postgres "
-        f"(or set {URL_VAR})",
-    ),
-]
+pytestmark = MARKS
 KILLED = -signal.SIGKILL
 ENV_SEED = "MEMVAULT_PG_KILL_SEED"
 

@@ -1,7 +1,7 @@
 """export, search, verify and backup on a PostgreSQL vault, against a real server.
 
 Run with `scripts/with-postgres scripts/test -m postgres`. Each test gets a
-schema of its own (the fixtures of tests/test_postgres.py), dropped afterwards.
+schema of its own (the `pg_url` fixture of conftest), dropped afterwards.
 """
 
 from __future__ import annotations
@@ -14,24 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests import test_postgres as base
 from tests.conftest import run_cli
-from tests.test_postgres import SERVER_URL, URL_VAR, password, sql
+from tests.pgserver import MARKS, password, sql
 
-# The same fixtures: a fresh schema of the test server each, dropped afterwards.
-pg_url = base.pg_url
-pg_vault = base.pg_vault
-
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not SERVER_URL,
-        reason=f"needs a PostgreSQL server: run scripts/with-postgres scripts/test -m postgres "
-        f"(or set {URL_VAR})",
-    ),
-]
+pytestmark = MARKS
 WARNING = "warning: the export is plaintext"
 
 

@@ -1,0 +1,76 @@
+"""The PostgreSQL test server: its URL, the marks of every test that needs it, and SQL.
+
+`scripts/with-postgres` starts a throwaway server and sets MEMVAULT_TEST_POSTGRES_URL.
+Without it every test marked with `MARKS` is skipped with that reason (and `-m
+postgres` alone is refused by conftest, so it cannot pass green on zero tests). The
+fixtures `pg_url` (a fresh schema per test, dropped afterwards) and `pg_vault` live
+in conftest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+URL_VAR = "MEMVAULT_TEST_POSTGRES_URL"
+SERVER_URL = os.environ.get(URL_VAR, "")
+MARKS = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(
+        not SERVER_URL,
+        reason=f"needs a PostgreSQL server: run scripts/with-postgres scripts/test -m postgres "
+        f"(or set {URL_VAR})",
+    ),
+]
+
+
+def password() -> str:
+    from vault.pgurl import parse
+
+    base = parse(SERVER_URL).dsn.split("://", 1)[1].split("@", 1)[0]
+    assert ":" in base, "the test server's URL must carry a password (redaction is tested)"
+    return base.split(":", 1)[1]
+
+
+def sql(url: str, *statements: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    """Run statements on a plain connection into the URL's schema; the last one's rows."""
+    import asyncpg
+
+    from vault.pgurl import parse
+
+    loc = parse(url)
+
+    async def go() -> list[Any]:
+        conn = await asyncpg.connect(loc.dsn, server_settings=loc.server_settings())
+        try:
+            rows: list[Any] = []
+            for i, statement in enumerate(statements):
+                last = i == len(statements) - 1
+                rows = await conn.fetch(statement, *(args if last else ()))
+            return rows
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+def raw_kids(url: str) -> list[str | None]:
+    from vault.pgrotate import kid_of
+
+    return [kid_of(r["message_data"]) for r in sql(url, "SELECT * FROM agent_messages ORDER BY id")]
+
+
+def entries_left(url: str) -> dict[str, bool]:
+    """Each key version the journal records: whether its keyring entry still exists."""
+    from vault.keyjournal import entry_name
+    from vault.keys import KeyStore
+
+    ks = KeyStore()
+    vault_id = sql(url, "SELECT value FROM memvault_meta WHERE key = 'vault_id'")[0]["value"]
+    return {
+        r["kid"]: ks.get(entry_name(vault_id, r["kid"])) is not None
+        for r in sql(url, "SELECT kid FROM memvault_keys")
+    }
