@@ -38,7 +38,7 @@ import json
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import crypto, files, paths, testhooks
 from .db import audit
@@ -57,6 +57,9 @@ from .import_source import (
 )
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
 from .store import Vault
+
+if TYPE_CHECKING:
+    from .pg import PgVault
 
 BATCH = 500
 
@@ -80,7 +83,7 @@ class Importer:
 
     def __init__(
         self,
-        vault: Vault,
+        vault: Vault | PgVault,
         source: str | Path,
         session_id: str | None = None,
         sessions_table: str | None = None,
@@ -335,6 +338,7 @@ class Importer:
         progress: Progress | None,
     ) -> int:
         vault = self.vault
+        assert isinstance(vault, Vault)  # a PostgreSQL vault's importer writes its own way
         plan = self.plan
         sid = s.session_id
         source_digest = hashlib.sha256()

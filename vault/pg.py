@@ -77,7 +77,7 @@ class PgVault(PgVaultBase):
         vault = cls(parse(url), keystore)
 
         async def check(conn: Any) -> bool:
-            meta = await vault._read_meta(conn)
+            meta = await vault.read_meta(conn)
             if meta.get("format") != FORMAT:
                 raise NotAVault(
                     f"{vault.path} has an unknown memvault format {meta.get('format')!r}; "
@@ -85,7 +85,7 @@ class PgVault(PgVaultBase):
                 )
             return await pgschema.needs_migration(conn)
 
-        if vault._run(check):
+        if vault.run(check):
 
             async def upgrade(conn: Any) -> None:
                 schema = await pgschema.current_schema(conn)
@@ -93,7 +93,7 @@ class PgVault(PgVaultBase):
                 await pgschema.lock_schema_changes(conn, schema)
                 await pgschema.migrate(conn, schema)
 
-            vault._run(upgrade, write=True)
+            vault.run(upgrade, write=True)
         return vault
 
     @classmethod
@@ -159,7 +159,7 @@ class PgVault(PgVaultBase):
             await audit(conn, "init", kid, ttl=durations.format_duration(ttl))
 
         try:
-            vault._run(create, write=True)
+            vault.run(create, write=True)
         except BaseException:
             with contextlib.suppress(VaultError):
                 ks.delete(entry_name(vault_id, kid))
@@ -191,15 +191,15 @@ class PgVault(PgVaultBase):
         self.sealer()
 
         async def read(conn: Any) -> list[SessionInfo]:
-            meta = await self._read_meta(conn)
+            meta = await self.read_meta(conn)
             return await self._count(conn, parse_ttl(meta, self.path), now)  # type: ignore[arg-type]
 
-        return self._run(read)
+        return self.run(read)
 
     def session_ids(self) -> list[str]:
         return [i.session_id for i in self.sessions()]
 
-    async def _require_session(self, conn: Any, session_id: str) -> None:
+    async def require_session(self, conn: Any, session_id: str) -> None:
         found = await conn.fetchval(
             f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = $1 UNION ALL "
             f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = $1 LIMIT 1",
@@ -220,8 +220,8 @@ class PgVault(PgVaultBase):
         for _attempt in range(50):
 
             async def read(conn: Any) -> tuple[dict[str, str], int | None, list[str]]:
-                meta = await self._read_meta(conn)
-                await self._require_session(conn, session_id)
+                meta = await self.read_meta(conn)
+                await self.require_session(conn, session_id)
                 rows = await conn.fetch(
                     f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
                     "ORDER BY created_at DESC, id DESC LIMIT $2",
@@ -234,8 +234,8 @@ class PgVault(PgVaultBase):
             # The kids are read in the rows' own snapshot: rows read after a rotation are
             # opened with the new key, never judged unreadable under the old one, and
             # during an online rotation each row with the key its envelope names.
-            meta, ttl, rows = self._run(read)
-            keys = self._keys_for(meta["kid"], meta.get(pgrotate.FROM))
+            meta, ttl, rows = self.run(read)
+            keys = self.keys_for(meta["kid"], meta.get(pgrotate.FROM))
             if keys is None:
                 continue
             out: list[Any] = []
@@ -268,11 +268,11 @@ class PgVault(PgVaultBase):
         """What `memvault status` shows; the file fields say they do not apply."""
 
         async def read(conn: Any) -> tuple[dict[str, str], str | None, list[SessionInfo]]:
-            meta = await self._read_meta(conn)
+            meta = await self.read_meta(conn)
             ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
             return meta, await pgschema.current_schema(conn), await self._count(conn, ttl, now)
 
-        meta, schema, infos = self._run(read)
+        meta, schema, infos = self.run(read)
         ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
         out: dict[str, Any] = {
             "backend": self.backend,
@@ -313,13 +313,13 @@ class PgVault(PgVaultBase):
 
     def audit_log(self) -> list[dict[str, Any]]:
         async def read(conn: Any) -> list[dict[str, Any]]:
-            await self._read_meta(conn)
+            await self.read_meta(conn)
             rows = await conn.fetch(
                 "SELECT at, event, kid, details FROM memvault_audit ORDER BY id"
             )
             return [{"at": a, "event": e, "kid": k, **json.loads(d)} for a, e, k, d in rows]
 
-        return self._run(read)
+        return self.run(read)
 
     # -- changing -------------------------------------------------------
     def clear(self, session_id: str, include_unreadable: bool = False) -> Cleared:
@@ -328,7 +328,7 @@ class PgVault(PgVaultBase):
         file of the vault's own to checkpoint (see PG_SCRUB_NOTE)."""
 
         async def body(conn: Any, keys: Keys, current: crypto.Sealer) -> Cleared:
-            await self._require_session(conn, session_id)
+            await self.require_session(conn, session_id)
             rows = await conn.fetch(
                 f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 FOR UPDATE",
                 session_id,
@@ -354,7 +354,7 @@ class PgVault(PgVaultBase):
             await audit(conn, "clear", current.kid, items=n, unreadable=unreadable)
             return Cleared(n, unreadable, True)
 
-        return self._change(body)
+        return self.change(body)
 
     def pop_newest(self, session_id: str) -> Any:
         """Remove and return the session's newest item (the agent session's `pop_item`).
@@ -381,14 +381,14 @@ class PgVault(PgVaultBase):
             await conn.execute(f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", row[0])
             return opened.item
 
-        return self._change(body)
+        return self.change(body)
 
     def count_items(self) -> int:
         async def read(conn: Any) -> int:
-            await self._read_meta(conn)
+            await self.read_meta(conn)
             return int(await conn.fetchval(f"SELECT count(*) FROM {MESSAGES_TABLE}"))
 
-        return self._run(read)
+        return self.run(read)
 
     def rotate(
         self, progress: Progress | None = None, batch: int = pgrotate.DEFAULT_BATCH
@@ -396,7 +396,7 @@ class PgVault(PgVaultBase):
         """A new key, rows re-encrypted online in batches (vault.pgrotate); also finishes a
         rotation that was cut off."""
         self.sealer()  # the key errors (missing, revoked) before any change
-        return self._call(lambda: pgrotate.rotate(self, progress, batch))
+        return self.call(lambda: pgrotate.rotate(self, progress, batch))
 
     # -- admin (vault.pgadmin) -------------------------------------------
     def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
@@ -421,10 +421,10 @@ class PgVault(PgVaultBase):
         """Append one audit event in a transaction of its own."""
 
         async def write(conn: Any) -> None:
-            await self._read_meta(conn)
+            await self.read_meta(conn)
             await audit(conn, event, kid, **details)
 
-        self._run(write, write=True)
+        self.run(write, write=True)
 
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:

@@ -87,17 +87,17 @@ def _locked(vault: PgVault, body: Callable[[Any, str], Awaitable[T]]) -> T:
     before any lock is taken)."""
 
     async def go() -> T:
-        conn = await vault._connect()
+        conn = await vault.connect()
         try:
             schema = await current_schema(conn)
-            await vault._read_meta(conn)
+            await vault.read_meta(conn)
             assert schema is not None
             async with admin_lock(conn, schema, vault.path):
                 return await body(conn, schema)
         finally:
             await conn.close()
 
-    return vault._call(go)
+    return vault.call(go)
 
 
 async def known_kids(conn: Any, meta: dict[str, str]) -> set[str]:
@@ -133,12 +133,12 @@ def purge(
     vault.sealer()  # the key errors (missing, revoked) before any lock
 
     async def body(conn: Any, _schema: str) -> Report:
-        meta = await vault._read_meta(conn)
+        meta = await vault.read_meta(conn)
         refuse_revoked(meta)
         ttl = parse_ttl(meta, vault.path)  # type: ignore[arg-type]
         current = int(time.time()) if now is None else now
         # Under the admin lock no rotation moves on: the kids in use stay these.
-        keys: Keys | None = vault._keys_for(meta["kid"], meta.get(FROM))
+        keys: Keys | None = vault.keys_for(meta["kid"], meta.get(FROM))
         if keys is None:
             raise VaultBusy(f"{vault.path} changed key while the purge began; try again")
         default = keys[meta["kid"]]
@@ -190,7 +190,7 @@ def pop(vault: PgVault, session_id: str, n: int = 1) -> Popped:
         raise OperationFailed("the number of items to pop must be positive")
 
     async def body(conn: Any, keys: Keys, current: crypto.Sealer) -> Popped:
-        await vault._require_session(conn, session_id)
+        await vault.require_session(conn, session_id)
         rows = await conn.fetch(
             f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
             "ORDER BY created_at DESC, id DESC LIMIT $2 FOR UPDATE",
@@ -211,19 +211,19 @@ def pop(vault: PgVault, session_id: str, n: int = 1) -> Popped:
         )
         return Popped(popped, True)
 
-    return vault._change(body)
+    return vault.change(body)
 
 
 def set_ttl(vault: PgVault, ttl: int | None) -> None:
     """Set the vault-wide TTL (audited with the old and new values)."""
 
     async def body(conn: Any, _keys: Keys, current: crypto.Sealer) -> None:
-        old = (await vault._read_meta(conn)).get("ttl_seconds")
+        old = (await vault.read_meta(conn)).get("ttl_seconds")
         new = "never" if ttl is None else str(ttl)
         await _set(conn, ttl_seconds=new)
         await audit(conn, "ttl", current.kid, old=old, new=new)
 
-    vault._change(body)
+    vault.change(body)
 
 
 # -- the key -------------------------------------------------------------
@@ -240,7 +240,7 @@ def revoke(vault: PgVault) -> dict[str, Any]:
 
     async def body(conn: Any, _schema: str) -> dict[str, Any]:
         async with conn.transaction():
-            meta = await vault._read_meta(conn)
+            meta = await vault.read_meta(conn)
             vault_id = meta["vault_id"]
             kid = meta.get("revoked_kid", meta["kid"])
             already = "revoked_at" in meta
@@ -263,8 +263,7 @@ def revoke(vault: PgVault) -> dict[str, Any]:
     try:
         return _locked(vault, body)
     finally:
-        vault._sealer = None
-        vault._others.clear()
+        vault.forget_keys()
 
 
 def shred(vault: PgVault) -> dict[str, Any]:
@@ -281,7 +280,7 @@ def shred(vault: PgVault) -> dict[str, Any]:
     async def body(conn: Any, schema: str) -> dict[str, Any]:
         report["schema"] = schema
         async with conn.transaction():
-            meta = await vault._read_meta(conn)
+            meta = await vault.read_meta(conn)
             vault_id = meta["vault_id"]
             kid = meta.get("revoked_kid", meta["kid"])
             report["vault_id"], report["kid"] = vault_id, kid
@@ -345,8 +344,7 @@ def shred(vault: PgVault) -> dict[str, Any]:
     try:
         return _locked(vault, body)
     finally:
-        vault._sealer = None
-        vault._others.clear()
+        vault.forget_keys()
 
 
 async def _drop_schema(conn: Any, schema: str, created: str | None) -> tuple[bool, str | None]:
@@ -377,11 +375,11 @@ def key_versions(vault: PgVault) -> list[KeyVersionInfo]:
         vault.sealer(refresh=True)
 
     async def read(conn: Any) -> tuple[dict[str, str], list[Any], set[str]]:
-        meta = await vault._read_meta(conn)
+        meta = await vault.read_meta(conn)
         recorded = await conn.fetch("SELECT kid, state, created_at FROM memvault_keys ORDER BY seq")
         return meta, list(recorded), await known_kids(conn, meta)
 
-    meta, recorded, kids = vault._run(read)
+    meta, recorded, kids = vault.run(read)
     ks = vault.keystore
     ks.check_usable()
     here = keyjournal.present(ks, meta["vault_id"], kids)
@@ -401,10 +399,10 @@ def forget_destroyed(vault: PgVault) -> list[str]:
     """
 
     async def read(conn: Any) -> tuple[str, list[str]]:
-        meta = await vault._read_meta(conn)
+        meta = await vault.read_meta(conn)
         rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE state = $1", DESTROYED)
         return meta["vault_id"], [r[0] for r in rows]
 
-    vault_id, kids = vault._run(read)
+    vault_id, kids = vault.run(read)
     ks = vault.keystore
     return [k for k in kids if ks.delete(entry_name(vault_id, k))]

@@ -55,7 +55,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
             )
     audited = True
     try:
-        vault._run(
+        vault.run(
             lambda conn: pgschema.audit(
                 conn, "backup", kid, items=items, sessions=sessions, to=str(target)
             ),
@@ -171,7 +171,7 @@ def _copy(vault: PgVault, target: Path) -> None:
                         [tuple(r) for r in batch],
                     )
 
-            vault._run(read)
+            vault.run(read)
             out.execute("COMMIT")
         finally:
             out.close()

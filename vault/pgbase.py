@@ -44,14 +44,14 @@ class PgVaultBase:
         return self._keystore
 
     # -- connections ----------------------------------------------------
-    async def _connect(self) -> Any:
+    async def connect(self) -> Any:
         return await connect(self.loc)
 
-    def _run(self, body: Callable[[Any], Awaitable[T]], *, write: bool = False) -> T:
+    def run(self, body: Callable[[Any], Awaitable[T]], *, write: bool = False) -> T:
         """`body(conn)` in one transaction (REPEATABLE READ snapshot when reading)."""
 
         async def go() -> T:
-            conn = await self._connect()
+            conn = await self.connect()
             try:
                 if write:
                     async with conn.transaction():
@@ -61,9 +61,9 @@ class PgVaultBase:
             finally:
                 await conn.close()
 
-        return self._call(go)
+        return self.call(go)
 
-    def _call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    def call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run a coroutine on a loop of its own; driver and server errors become VaultErrors."""
         try:
             return run_sync(make)
@@ -74,16 +74,16 @@ class PgVaultBase:
                 raise
             raise translate(exc, self.loc) from None
 
-    async def _read_meta(self, conn: Any) -> dict[str, str]:
+    async def read_meta(self, conn: Any) -> dict[str, str]:
         if await conn.fetchval("SELECT to_regclass('memvault_meta')") is None:
-            raise self._no_vault(await pgschema.current_schema(conn))
+            raise self.no_vault(await pgschema.current_schema(conn))
         meta = {r[0]: r[1] for r in await conn.fetch("SELECT key, value FROM memvault_meta")}
         for required in ("format", "vault_id", "kid"):
             if required not in meta:
                 raise NotAVault(f"{self.path} lacks the vault's {required}; it is not usable")
         return meta
 
-    def _no_vault(self, schema: str | None) -> NotAVault:
+    def no_vault(self, schema: str | None) -> NotAVault:
         where = f"schema {schema!r} of " if schema else ""
         return NotAVault(
             f"no vault in {where}{self.path}; create one with `memvault init`, or point --db / "
@@ -92,7 +92,7 @@ class PgVaultBase:
 
     # -- meta and key ---------------------------------------------------
     def meta(self) -> dict[str, str]:
-        return self._run(self._read_meta)
+        return self.run(self.read_meta)
 
     @property
     def vault_id(self) -> str:
@@ -129,7 +129,7 @@ class PgVaultBase:
             rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE kid <> $1", kid)
             return [r[0] for r in rows]
 
-        held = [k for k in self._run(read) if self.keystore.get(entry_name(vault_id, k))]
+        held = [k for k in self.run(read) if self.keystore.get(entry_name(vault_id, k))]
         if held:
             raise KeyMissing(
                 f"{KEY_CHANGED} (vault {vault_id} now uses key {kid}; this keyring "
@@ -161,7 +161,18 @@ class PgVaultBase:
         self._others[kid] = crypto.Sealer(require_key(key, meta["vault_id"], kid, ks.name))
         return self._others[kid]
 
-    def _keys_for(self, kid: str, old_kid: str | None) -> dict[str, crypto.Sealer] | None:
+    def use_key(self, sealer: crypto.Sealer, retired: str | None = None) -> None:
+        """Hold `sealer` as the current key (a rotation just moved to it); drop `retired`."""
+        self._sealer = sealer
+        if retired is not None:
+            self._others.pop(retired, None)
+
+    def forget_keys(self) -> None:
+        """Drop the keys loaded so far: after a revoke or shred they are gone from the keyring."""
+        self._sealer = None
+        self._others.clear()
+
+    def keys_for(self, kid: str, old_kid: str | None) -> dict[str, crypto.Sealer] | None:
         """The sealers of the kids a snapshot says are in use (the current one, and the old
         one while a rotation runs); None when the vault moved on since: read again."""
         current = self.sealer()
@@ -180,7 +191,7 @@ class PgVaultBase:
     async def _locked_kids(self, conn: Any) -> tuple[str, str | None]:
         """(current kid, kid a rotation moves from), their rows locked until the transaction
         ends: a rotation can neither switch nor finish under this change."""
-        await self._read_meta(conn)
+        await self.read_meta(conn)
         rows = await conn.fetch(
             "SELECT key, value FROM memvault_meta WHERE key IN ('kid', $1) FOR SHARE",
             pgrotate.FROM,
@@ -189,7 +200,7 @@ class PgVaultBase:
         return found["kid"], found.get(pgrotate.FROM)
 
     # -- changing -------------------------------------------------------
-    def _change(self, body: Callable[[Any, Keys, crypto.Sealer], Awaitable[T]]) -> T:
+    def change(self, body: Callable[[Any, Keys, crypto.Sealer], Awaitable[T]]) -> T:
         """`body(conn, keys, current)` in a write transaction holding the kids' meta rows, with
         the sealers of every kid in use (the old one too while a rotation runs)."""
         current = self.sealer()
@@ -202,8 +213,8 @@ class PgVaultBase:
                     return False, None, (kid, old_kid)  # the key moved on: reload, start again
                 return True, await body(conn, keys, keys[kid]), None
 
-            done, result, wanted = self._run(change, write=True)
+            done, result, wanted = self.run(change, write=True)
             if done:
                 return cast(T, result)
-            keys = self._keys_for(*wanted) or keys
+            keys = self.keys_for(*wanted) or keys
         raise VaultBusy(f"{self.path} changed key while this command ran; try again")

@@ -2,7 +2,7 @@
 
 vault.importer reads, checks and (with --shred-source) destroys the plaintext
 source; only the writing differs. Each session goes in with ONE transaction
-that holds the vault's key id (vault.pgbase `_change`: a rotation can neither
+that holds the vault's key id (vault.pgbase `change`: a rotation can neither
 switch nor finish meanwhile), is read back, decrypted and compared with the
 source before COMMIT, and is audited in it, as on a file.
 """
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import crypto, pgschema, testhooks
 from .errors import OperationFailed
@@ -42,32 +41,11 @@ def _when(value: Any) -> _dt.datetime | None:
 class PgImporter(Importer):
     """`Importer` whose sessions go into a PostgreSQL vault."""
 
-    def __init__(
-        self,
-        vault: PgVault,
-        source: str | Path,
-        session_id: str | None = None,
-        sessions_table: str | None = None,
-        messages_table: str | None = None,
-        shred_source: bool = False,
-    ) -> None:
-        self.pg = vault
+    @property
+    def pg(self) -> PgVault:
         # The base class reads the vault through what both kinds offer (path,
-        # session_ids, sealer); the writing is this class's own.
-        super().__init__(
-            vault,  # type: ignore[arg-type]
-            source,
-            session_id,
-            sessions_table,
-            messages_table,
-            shred_source,
-        )
-
-    def _record(self, event: str, kid: str, **details: Any) -> None:
-        async def body(conn: Any) -> None:
-            await pgschema.audit(conn, event, kid, **details)
-
-        self.pg._run(body, write=True)
+        # session_ids, sealer, record); the writing is this class's own.
+        return cast("PgVault", self.vault)
 
     def _import_session(
         self,
@@ -148,4 +126,4 @@ class PgImporter(Importer):
             await pgschema.audit(conn, "import", current.kid, items=count, part=part, parts=parts)
             return count
 
-        return self.pg._change(body)
+        return self.pg.change(body)

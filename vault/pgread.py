@@ -75,8 +75,8 @@ def opened_items(
     for _attempt in range(50):
 
         async def read(conn: Any) -> tuple[dict[str, str], list[str]]:
-            meta = await vault._read_meta(conn)
-            await vault._require_session(conn, session_id)
+            meta = await vault.read_meta(conn)
+            await vault.require_session(conn, session_id)
             # The agent session's own order (created_at, then id), newest `limit` rows.
             rows = await conn.fetch(
                 f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
@@ -86,8 +86,8 @@ def opened_items(
             )
             return meta, [r[0] for r in rows][::-1]
 
-        meta, rows = vault._run(read)
-        keys = vault._keys_for(meta["kid"], meta.get(pgrotate.FROM))
+        meta, rows = vault.run(read)
+        keys = vault.keys_for(meta["kid"], meta.get(pgrotate.FROM))
         if keys is None:
             continue  # the key moved on between the key load and the snapshot
         ttl = parse_ttl(meta, vault.path)  # type: ignore[arg-type]
@@ -159,9 +159,9 @@ def verify(url: str, keystore: KeyStore | None = None) -> PgVerifyReport:
 
     async def exists(conn: Any) -> None:
         if await conn.fetchval("SELECT to_regclass('memvault_meta')") is None:
-            raise vault._no_vault(await pgschema.current_schema(conn))
+            raise vault.no_vault(await pgschema.current_schema(conn))
 
-    vault._run(exists)
+    vault.run(exists)
     for _attempt in range(50):
         report = PgVerifyReport(vault.path)
         keys = _keys(vault, report)
@@ -191,7 +191,7 @@ def verify(url: str, keystore: KeyStore | None = None) -> PgVerifyReport:
                 await _items(conn, report, keys, meta)
             return True
 
-        if vault._run(check):
+        if vault.run(check):
             return report
     raise VaultBusy(f"{vault.path} kept changing key while being verified; try again")
 

@@ -61,10 +61,10 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
     started = time.monotonic()
     ks = vault.keystore
     ks.check_usable()
-    conn = await vault._connect()
+    conn = await vault.connect()
     try:
         schema = await current_schema(conn)
-        await vault._read_meta(conn)  # no vault here: exit 3 before any lock
+        await vault.read_meta(conn)  # no vault here: exit 3 before any lock
         assert schema is not None
         async with admin_lock(conn, schema, vault.path):
             old, new = await _start_or_resume(vault, conn)
@@ -77,14 +77,13 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
                 )
                 await audit(conn, "rotate", new.kid, old_kid=old.kid, online=True, **counts)
             testhooks.failpoint("pg-rotate-after-finish")
-            vault_id = (await vault._read_meta(conn))["vault_id"]
+            vault_id = (await vault.read_meta(conn))["vault_id"]
             ks.delete(entry_name(vault_id, old.kid))
             async with conn.transaction():
                 await record_key(conn, old.kid, DESTROYED)
     finally:
         await conn.close()
-    vault._sealer = new
-    vault._others.pop(old.kid, None)
+    vault.use_key(new, retired=old.kid)
     return Report(
         {
             **counts,
@@ -100,7 +99,7 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
 async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, crypto.Sealer]:
     """(old, new): a rotation cut off after its switch is resumed; else a new one starts."""
     ks = vault.keystore
-    meta = await vault._read_meta(conn)
+    meta = await vault.read_meta(conn)
     refuse_revoked(meta)
     vault_id = meta["vault_id"]
     if FROM in meta:
