@@ -141,6 +141,23 @@ def run_cli(
     return CLIResult(proc)
 
 
+GUIDE_CODE = "ZEPHYR-4821"
+
+
+def guide_step(name: str, db: str | Path) -> dict[str, Any]:
+    """One step of the guide's four checks (vault.demo) in a process of its own, on a vault
+    file or a PostgreSQL URL: its last stdout line, as JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vault.demo", name, str(db), GUIDE_CODE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
 @pytest.fixture
 def cli() -> Any:
     return run_cli

@@ -5,27 +5,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import GUIDE_CODE as CODE
 from tests.conftest import ROOT, keyring_entries, raw_bytes, run_cli
-
-CODE = "ZEPHYR-4821"
-
-
-def step(name: str, db: Path) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "vault.demo", name, str(db), CODE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+from tests.conftest import guide_step as step
 
 
 def test_four_checks(vault: Any, vault_db: Path) -> None:

@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import GUIDE_CODE as CODE
 from tests.conftest import ROOT, run_cli
+from tests.conftest import guide_step as step
 from tests.pgserver import MARKS, SERVER_URL, entries_left, password, raw_kids, sql
 
 pytestmark = MARKS
-CODE = "ZEPHYR-4821"
 
 
 def all_text(url: str) -> str:
@@ -37,24 +38,11 @@ def all_text(url: str) -> str:
     return "\n".join(out)
 
 
-def demo_step(name: str, url: str) -> dict[str, Any]:
-    """One step of the guide in a process of its own (vault.demo), on the URL."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "vault.demo", name, url, CODE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
 def test_four_checks_on_postgres(pg_vault: Any, pg_url: str) -> None:
     from vault.pg import PgVault
 
     # 1. A turn stores the code name through open_session(URL); the process exits.
-    out = demo_step("write", pg_url)
+    out = step("write", pg_url)
     assert out["items_after"] == 2
     items, _, _ = PgVault.open(pg_url).items("carnet-local")
     assert any(CODE in json.dumps(i) for i in items if i.get("role") == "user")
@@ -64,7 +52,7 @@ def test_four_checks_on_postgres(pg_vault: Any, pg_url: str) -> None:
     assert "Remember this code name" not in stored
 
     # 2. A new process finds the items, and the (scripted) model is given the code name.
-    out = demo_step("ask", pg_url)
+    out = step("ask", pg_url)
     assert out["items_before"] > 0
     assert CODE in out["model_input"]
     assert CODE in out["answer"]
@@ -73,7 +61,7 @@ def test_four_checks_on_postgres(pg_vault: Any, pg_url: str) -> None:
     r = run_cli("--db", pg_url, "clear", "carnet-local", "--yes")
     assert r.code == 0, r
     assert "not applicable on PostgreSQL" in r.out
-    out = demo_step("ask", pg_url)
+    out = step("ask", pg_url)
     assert out["items_before"] == 0
     assert CODE not in out["model_input"]
     assert CODE not in out["answer"]
@@ -85,7 +73,7 @@ def test_four_checks_on_postgres(pg_vault: Any, pg_url: str) -> None:
     bare = bare_session_items(pg_url, "autre-session")
     assert bare and all(i.get("__enc__") == 1 and "payload" in i for i in bare)
     assert "a turn of another session" not in json.dumps(bare)
-    assert demo_step("memory", pg_url)["items_before"] == 0
+    assert step("memory", pg_url)["items_before"] == 0
 
 
 def bare_session_items(url: str, session_id: str) -> list[Any]:
