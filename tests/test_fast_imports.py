@@ -81,14 +81,20 @@ def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[s
 def test_counting_commands_load_only_what_they_use(
     vault: Any, vault_db: Path, command: str
 ) -> None:
-    # Every command pays for what the CLI imports at start; these three cost ~30 ms of
-    # a ~200 ms `status`, for the version string and for export/search.
+    # Every command pays for what the CLI imports at start; these cost ~35 ms of a
+    # ~200 ms `status`: the version string, export/search, and reading a PostgreSQL URL.
     add_items(vault_db, "s1", [user("hello")])
-    code, mods = probe(command, watch=("importlib.metadata", "vault.export", "vault.search"))
+    watch = ("importlib.metadata", "vault.export", "vault.search", "vault.pgurl")
+    code, mods = probe(command, watch=watch)
     assert code == 0
     assert mods == []
-    code, mods = probe("--version", watch=("importlib.metadata",))
-    assert code == 0 and "importlib.metadata" in mods  # control: the probe sees it
+    # Controls: the probe sees each of them when a command needs it.
+    code, mods = probe("--version", watch=watch)
+    assert code == 0 and "importlib.metadata" in mods and "vault.pgurl" not in mods
+    code, mods = probe(
+        "--db", "postgresql+asyncpg://u@h/db?schema=not-a-name", command, watch=watch
+    )
+    assert code == 2 and "vault.pgurl" in mods
 
 
 def test_completing_a_session_id_does_not_import_agents(vault: Any, vault_db: Path) -> None:

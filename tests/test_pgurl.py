@@ -55,3 +55,27 @@ def test_a_percent_encoded_password_is_read_whole() -> None:
 def test_passwords_in_the_query_are_hidden_too() -> None:
     shown = pgurl.redact_url("postgresql://db.example/memory?user=a&password=s3cret&schema=v")
     assert "s3cret" not in shown and "password=***" in shown
+
+
+@pytest.mark.parametrize(
+    ("db", "env", "expected"),
+    [
+        ("postgresql+asyncpg://u:p@h/db", None, "postgresql+asyncpg://u:p@h/db"),
+        ("POSTGRES://h/db", None, "POSTGRES://h/db"),
+        ("postgresql+psycopg://h/db", None, "postgresql+psycopg://h/db"),  # parse refuses it
+        ("postgresql.db", None, None),
+        ("./postgresql://x", None, None),
+        (None, "postgresql://h/db", "postgresql://h/db"),
+        (None, "", None),
+        ("history.db", "postgresql://h/db", None),  # --db wins over $MEMVAULT_DB
+    ],
+)
+def test_a_url_is_told_from_a_path_without_reading_it(
+    db: str | None, env: str | None, expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vault.paths import postgres_url
+
+    monkeypatch.delenv("MEMVAULT_DB", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MEMVAULT_DB", env)
+    assert postgres_url(db) == expected

@@ -54,14 +54,14 @@ def open_session(
     `session_settings` (e.g. `SessionSettings(limit=20)`) is passed to the
     `SQLiteSession` underneath, as `SQLiteSession(..., session_settings=...)` takes it.
     """
-    from .pgurl import is_url, location_text
+    from .paths import postgres_url
 
-    where = location_text(db_path)
-    if is_url(where):
+    where = postgres_url(db_path)
+    if where is not None:
         # A PostgreSQL vault (preview): the same EncryptedSession, over SQLAlchemySession.
         from .pg import PgVault
 
-        session: VaultSession = PgVault.open(str(where)).session(
+        session: VaultSession = PgVault.open(where).session(
             session_id, session_settings=session_settings
         )
         return session

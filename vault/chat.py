@@ -231,14 +231,12 @@ def run_chat(db: str | None, session_id: str, model_name: str | None) -> int:
     if not session_id.strip():
         raise BadInput("the session id is empty")
     model = require_model(model_name)
-    from .pgurl import is_url, location_text
-
-    where = location_text(db)
+    where = paths.postgres_url(db)
     vault: Any
-    if is_url(where):
+    if where is not None:
         from .pg import PgVault  # the same session, over the SDK's SQLAlchemySession
 
-        vault = PgVault.open(str(where))
+        vault = PgVault.open(where)
     else:
         vault = Vault.open(paths.resolve_db_path(db))
     vault.sealer()  # the key is checked before the first prompt

@@ -165,10 +165,9 @@ def open_vault() -> Vault:
 
 def postgres_url() -> str | None:
     """The PostgreSQL URL that --db or $MEMVAULT_DB names, or None for a file."""
-    from .pgurl import is_url, location_text
+    from .paths import postgres_url as named_url
 
-    where = location_text(state().db)
-    return where if is_url(where) else None
+    return named_url(state().db)
 
 
 def open_any() -> Vault | PgVault:

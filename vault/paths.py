@@ -30,6 +30,22 @@ def default_db_path() -> Path:
     return chosen
 
 
+def postgres_url(db: str | os.PathLike[str] | None) -> str | None:
+    """The PostgreSQL URL that `db` (--db, `db_path`) or else `$MEMVAULT_DB` names; None
+    for a file path or the default. A prefix check: every command asks, so it costs no
+    regex and no import (vault.pgurl reads a URL once one is named)."""
+    if db is not None:
+        if isinstance(db, bytes):
+            return None
+        text = os.fspath(db)
+    else:
+        text = os.environ.get(ENV_DB) or ""
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme.lower().split("+", 1)[0] in ("postgres", "postgresql"):
+        return text
+    return None
+
+
 def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
     """`--db PATH`, else `$MEMVAULT_DB`, else the platformdirs data folder.
 
@@ -37,12 +53,12 @@ def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
     default": falling back would point `shred` or `revoke` at another vault. An
     empty `$MEMVAULT_DB` counts as unset, as shells treat empty variables.
     """
-    from . import pgurl  # cheap: no driver
-
-    if pgurl.is_url(pgurl.location_text(db)):
+    url = postgres_url(db)
+    if url is not None:
         from .errors import BadInput
+        from .pgurl import unsupported
 
-        raise BadInput(pgurl.unsupported(pgurl.location_text(db) or ""))
+        raise BadInput(unsupported(url))
     if db is not None:
         if str(db) == "":
             from .errors import BadInput

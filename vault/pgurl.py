@@ -1,14 +1,14 @@
-"""PostgreSQL vault locations: recognising a URL, reading it, and never showing its password.
+"""PostgreSQL vault locations: reading a URL, and never showing its password.
 
 `--db`, `$MEMVAULT_DB` and `db_path` take a path or a URL
-`postgresql+asyncpg://user:password@host:port/dbname[?schema=NAME]`. This module
-is cheap to import (no driver): the CLI asks `is_url` for every command, and
-every message that names a PostgreSQL vault shows `redact_url`'s form of it.
+`postgresql+asyncpg://user:password@host:port/dbname[?schema=NAME]`.
+`vault.paths.postgres_url` tells the two apart (every command asks); this module
+is loaded once a URL is named. Every message that names a PostgreSQL vault shows
+`redact_url`'s form of it.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.parse
 from dataclasses import dataclass, field
@@ -35,20 +35,6 @@ def unsupported(url: str) -> str:
         f"{redact_url(url)} is a PostgreSQL vault, which this command does not support yet "
         f"(supported: {SUPPORTED}); nothing was changed"
     )
-
-
-def location_text(db: str | os.PathLike[str] | None) -> str | None:
-    """What `--db`/`db_path` or else `$MEMVAULT_DB` names, as text (None: the default path)."""
-    if db is not None:
-        return os.fspath(db) if not isinstance(db, bytes) else None
-    return os.environ.get("MEMVAULT_DB") or None
-
-
-def is_url(value: str | os.PathLike[str] | None) -> bool:
-    """Whether a vault location is a PostgreSQL URL rather than a file path."""
-    if value is None or isinstance(value, bytes):
-        return False
-    return bool(_URL.match(os.fspath(value)))
 
 
 def redact_url(url: str) -> str:
