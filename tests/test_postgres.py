@@ -557,3 +557,30 @@ def test_a_row_left_under_the_old_key_behind_the_batches_is_moved_before_the_key
     assert [i["content"] for i in shown.json()["items"]] == [f"turn {i}" for i in range(600)]
     assert set(raw_kids(pg_url)) == {meta["kid"]}
     assert r.json()["stragglers"] == 1, r.json()
+
+
+def test_no_kit_is_exported_while_rows_still_need_the_old_key(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    import vault
+
+    async def write() -> None:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"turn {i}"} for i in range(600)])
+
+    asyncio.run(write())  # more than one batch of 500
+    r = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_FAILPOINT": "pg-rotate-after-batch"})
+    assert r.code == -9, r  # cut off with rows under both keys
+    assert len(set(raw_kids(pg_url))) == 2
+    kit = tmp_path / "kit.json"
+
+    def export() -> Any:
+        args = ("--db", pg_url, "key", "export", "--passphrase-stdin", str(kit))
+        return run_cli(*args, input="a long enough passphrase\n")
+
+    r = export()
+    assert r.code == 5 and "run `memvault rotate` to finish it" in r.err, r
+    assert r.err.count("\n") == 1 and not kit.exists()
+    assert run_cli("--db", pg_url, "rotate").code == 0
+    r = export()
+    assert r.code == 0 and kit.exists(), r

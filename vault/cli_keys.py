@@ -252,7 +252,8 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
     --passphrase-stdin (one line; one trailing newline is removed, nothing else).
     A pipe is a fine FILE: `<(pass show memvault)` never leaves the passphrase on
     disk. The key and the passphrase are never printed. Refuses an existing FILE
-    unless --force.
+    unless --force. On a PostgreSQL vault, refuses (exit 5) while a rotation is
+    unfinished: the kit's one key would not open the rows not yet moved.
 
     \b
     Example:

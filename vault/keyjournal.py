@@ -27,6 +27,9 @@ PENDING, CURRENT, RETIRED, DESTROYED = "pending", "current", "retired", "destroy
 STATES = (PENDING, CURRENT, RETIRED, DESTROYED)
 # meta `legacy_entries`: 0.1.0-style entry names an upgrade still has to delete (JSON list).
 LEGACY_MARK = "legacy_entries"
+# The meta row naming the key an unfinished online rotation moves rows from (a
+# PostgreSQL vault's; vault.pgrotate): while it exists, rows need two keys.
+ROTATING_FROM = "rotating_from"
 
 
 def entry_name(vault_id: str, kid: str) -> str:

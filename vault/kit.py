@@ -48,9 +48,10 @@ from .errors import (
     KeyProblem,
     KeyRevoked,
     OperationFailed,
+    VaultBusy,
     VaultError,
 )
-from .keyjournal import entry_name
+from .keyjournal import ROTATING_FROM, entry_name
 from .schema import utcnow
 from .store import Vault
 
@@ -304,6 +305,12 @@ def export_kit(
     """Write the vault's current key, wrapped under `passphrase`, to a new 0600 file."""
     check_passphrase(passphrase)
     sealer = vault.sealer()  # a working key, checked against the file
+    if ROTATING_FROM in vault.meta():
+        # A kit holds one key: it would not open the rows still under the old one.
+        raise VaultBusy(
+            f"a key rotation of {vault.path} is under way (or was cut off); wait for it, or "
+            "run `memvault rotate` to finish it, then export the kit; nothing was written"
+        )
     vault_id = vault.vault_id
     kit = seal(sealer.master_key, vault_id, passphrase)
     target = write_kit_file(path, kit.to_json(), force=force)

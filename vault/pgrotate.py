@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from . import crypto, testhooks
 from .errors import VaultBusy
 from .files import Progress
-from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, entry_name
+from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, ROTATING_FROM, entry_name
 from .keys import require_key
 from .lifecycle import refuse_revoked
 from .pglock import admin_lock
@@ -45,7 +45,7 @@ from .schema import MESSAGES_TABLE, utcnow
 if TYPE_CHECKING:
     from .pg import PgVault
 
-FROM, PROGRESS = "rotating_from", "rotation_progress"
+FROM, PROGRESS = ROTATING_FROM, "rotation_progress"
 DEFAULT_BATCH = 500
 
 
