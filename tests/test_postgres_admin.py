@@ -15,6 +15,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -509,3 +510,51 @@ def test_shred_keeps_a_schema_it_did_not_create(pg_url: str) -> None:
     r = run_cli("--db", pg_url, "shred", "--yes")
     assert r.code == 0 and f"schema {schema} dropped" in r.out, r
     assert not schema_exists(schema)
+
+
+def test_a_schema_the_server_will_not_drop_is_kept_and_the_shred_still_succeeds(
+    pg_vault: Any, pg_url: str
+) -> None:
+    # The keys and tables are gone by then: a refusal of the last step must not turn
+    # the shred into a failure that says "nothing was changed". Here another session's
+    # open transaction creating a table in the schema holds a lock that DROP SCHEMA
+    # waits for, past the lock timeout.
+    import asyncpg
+
+    from vault.pgurl import parse
+
+    write(pg_url, "s1", ["secret"])
+    vault_id = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'vault_id'")[0]["value"]
+    schema = schema_of(pg_url)
+    created = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        async def go() -> None:
+            conn = await asyncpg.connect(parse(SERVER_URL).dsn)
+            try:
+                async with conn.transaction():
+                    await conn.execute(f'CREATE TABLE "{schema}".not_yet (x int)')
+                    created.set()
+                    await asyncio.to_thread(release.wait, 120)
+                    raise RuntimeError("roll back")
+            except RuntimeError:
+                pass
+            finally:
+                await conn.close()
+
+        asyncio.run(go())
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert created.wait(60)
+        r = run_cli("--db", pg_url, "--json", "shred", "--yes", env={"MEMVAULT_LOCK_TIMEOUT": "2"})
+    finally:
+        release.set()
+        holder.join(60)
+    assert r.code == 0, r
+    doc = r.json()
+    assert doc["schema_dropped"] is False
+    assert doc["schema_kept_because"] == "the server refused to drop it (55P03)", doc
+    assert keyring_entries(vault_id) == {} and tables_in(schema) == [] and schema_exists(schema)
