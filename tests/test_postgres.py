@@ -112,6 +112,13 @@ def test_guard_refuses_plaintext_and_other_keys(pg_vault: Any, pg_url: str) -> N
         other.seal("s", {"role": "user", "content": "under another key"}),
         json.dumps({**sealer.envelope("s", "x"), "extra": 1}),
         json.dumps({**sealer.envelope("s", "x"), "payload": "plain"}),
+        # Four members, but plaintext in place of the envelope's `v`.
+        json.dumps(
+            {
+                **{k: v for k, v in sealer.envelope("s", "x").items() if k != "v"},
+                "content": "plaintext",
+            }
+        ),
     ]
     import asyncpg
 

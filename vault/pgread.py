@@ -234,7 +234,7 @@ async def _schema(conn: Any, report: VerifyReport) -> bool:
 
 def expected_guard_body(schema: str) -> str:
     """The guard function's body as memvault creates it (what pg_proc.prosrc holds)."""
-    return pgschema._guard(schema)[0].split("$guard$")[1]
+    return pgschema.guard_function(schema).split("$guard$")[1]
 
 
 async def _guard(conn: Any, report: VerifyReport, schema: str) -> None:

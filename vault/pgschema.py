@@ -56,14 +56,13 @@ def _meta(schema: str) -> list[str]:
     return ["CREATE TABLE memvault_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"]
 
 
-def _guard(schema: str) -> list[str]:
+def _guard_function(schema: str, extra_check: str = "") -> str:
     # Anything that is not a 4-key envelope object {__enc__: 1, v, kid, payload: "gAAAAA..."}
     # whose kid is the meta's current one is refused, plaintext from a bare
     # SQLAlchemySession and a writer still holding a retired key alike. The meta is
     # named with its schema: the trigger must not depend on the writer's search_path.
     message = GUARD_MESSAGE.replace("'", "''")
-    return [
-        f"""CREATE FUNCTION {_q(schema)}.memvault_guard() RETURNS trigger
+    return f"""CREATE OR REPLACE FUNCTION {_q(schema)}.memvault_guard() RETURNS trigger
             LANGUAGE plpgsql AS $guard$
             DECLARE
                 env jsonb;
@@ -81,18 +80,38 @@ def _guard(schema: str) -> list[str]:
                     OR env -> '__enc__' IS DISTINCT FROM '1'::jsonb
                     OR jsonb_typeof(env -> 'payload') IS DISTINCT FROM 'string'
                     OR left(env ->> 'payload', 6) IS DISTINCT FROM 'gAAAAA'
-                    OR env ->> 'kid' IS DISTINCT FROM current_kid
+                    OR env ->> 'kid' IS DISTINCT FROM current_kid{extra_check}
                     OR (SELECT count(*) FROM jsonb_object_keys(env)) <> 4
                 THEN
                     RAISE EXCEPTION USING MESSAGE = '{message}', ERRCODE = '{GUARD_SQLSTATE}';
                 END IF;
                 RETURN NEW;
             END
-            $guard$""",
+            $guard$"""
+
+
+def _guard(schema: str) -> list[str]:
+    return [
+        _guard_function(schema),
         f"""CREATE TRIGGER memvault_guard
             BEFORE INSERT OR UPDATE OF message_data ON {MESSAGES_TABLE}
             FOR EACH ROW EXECUTE FUNCTION {_q(schema)}.memvault_guard()""",
     ]
+
+
+# m003's function let any fourth member through in place of `v` (plaintext under
+# "content" had the right count): the envelope's `v` must be there, a number.
+_V_CHECK = """
+                    OR jsonb_typeof(env -> 'v') IS DISTINCT FROM 'number'"""
+
+
+def guard_function(schema: str) -> str:
+    """The guard function as the latest migration creates it (verify compares with it)."""
+    return _guard_function(schema, _V_CHECK)
+
+
+def _guard_requires_v(schema: str) -> list[str]:
+    return [guard_function(schema)]
 
 
 def _audit(schema: str) -> list[str]:
@@ -130,6 +149,7 @@ MIGRATIONS = [
     ("m003_guard_triggers", _guard),
     ("m004_audit", _audit),
     ("m005_key_versions", _key_versions),
+    ("m006_guard_requires_v", _guard_requires_v),
 ]
 
 
