@@ -26,6 +26,7 @@ from tests.conftest import authenticated_counts, keyring_entries, run_cli
 from vault import crypto
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
+from vault.verify import expected_triggers
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v0_1_0"
 
@@ -158,3 +159,30 @@ def test_a_dead_rotations_pending_key_goes_with_the_move(old_vault: OldVault) ->
     r = run_cli("--db", str(db), "--json", "status")
     assert r.code == 0 and r.json()["key"] == "present and matching", r
     assert_moved(db, vault_id, key)
+
+
+def triggers_of(db: Path) -> dict[str, str]:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"))
+
+
+@pytest.mark.parametrize("old_vault", [""], indirect=True, ids=["settled"])
+def test_an_upgraded_vault_gets_m008s_guard_and_verifies(old_vault: OldVault) -> None:
+    db = old_vault.db
+    old_guard = triggers_of(db)
+    assert sorted(old_guard) == ["memvault_guard_insert", "memvault_guard_update"]
+    # Verify, the first command, finds the key under its 0.1.0 name: moving it
+    # migrates the file, and the vault then verifies with m008's guard.
+    r = run_cli("--db", str(db), "--json", "verify")
+    assert r.code == 0 and r.json()["ok"] is True, r
+    new_guard = triggers_of(db)
+    assert new_guard.keys() == old_guard.keys()
+    assert all(new_guard[name] != old_guard[name] for name in new_guard), new_guard
+    assert new_guard == expected_triggers()  # as a new vault has them
+    r = run_cli("--db", str(db), "--json", "verify")
+    assert r.code == 0 and r.json()["ok"] is True, r
+    # The new guard holds: a bare envelope under another key is refused.
+    with contextlib.closing(sqlite3.connect(db)) as conn, pytest.raises(sqlite3.IntegrityError):
+        conn.execute(
+            "UPDATE agent_messages SET message_data = json_set(message_data, '$.kid', 'x')"
+        )

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import add_items, insert_sealed, run_cli, user
 from tests.test_keyring_edges import in_another_private_keyring
 from tests.test_rotation import one_line_error
-from vault import Vault
+from vault import Vault, schema
 from vault.verify import BATCH, PROBLEMS
 
 NONE = dict.fromkeys(PROBLEMS, 0)
@@ -135,6 +135,56 @@ def test_guard_trigger_damage_is_counted(
     assert doc["problems"] == {**NONE, "guard_triggers": 1}
     assert doc["details"]["guard_triggers"] == [detail]
     assert doc["authenticated"] == 3
+
+
+def put_back_m003s_guard(db: Path) -> None:
+    """The file's guard as m003 made it, before m008 replaced it."""
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("DROP TRIGGER memvault_guard_insert")
+        conn.execute("DROP TRIGGER memvault_guard_update")
+        schema.m003_guard_triggers(conn)
+
+
+def test_m003s_guard_under_a_recorded_m008_is_reported(vault: Vault, vault_db: Path) -> None:
+    """Going back to the older, costlier guard (which let duplicate labels in) is a
+    tampered file once m008 is recorded as applied."""
+    filled(vault_db)
+    put_back_m003s_guard(vault_db)
+    code, doc, err = verify_json()
+    assert code == 1, err
+    assert doc["problems"] == {**NONE, "guard_triggers": 2}
+    assert doc["details"]["guard_triggers"] == [
+        "memvault_guard_insert differs from the one memvault creates",
+        "memvault_guard_update differs from the one memvault creates",
+    ]
+
+
+def test_a_file_not_yet_given_m008_is_judged_by_m003s_guard(vault: Vault, vault_db: Path) -> None:
+    """A file an older memvault wrote has m003's triggers until a command migrates it:
+    verify reports the migration, not the triggers, and still finds a tampered one."""
+    filled(vault_db)
+    put_back_m003s_guard(vault_db)
+    sql(vault_db, "DELETE FROM memvault_migrations WHERE name = 'm008_guard_triggers_text_first'")
+    code, doc, err = verify_json()
+    assert code == 1, err
+    assert doc["problems"] == {**NONE, "schema": 1}
+    assert doc["details"]["schema"] == ["migration m008_guard_triggers_text_first is not applied"]
+
+    sql(
+        vault_db,
+        "DROP TRIGGER memvault_guard_update",
+        "CREATE TRIGGER memvault_guard_update BEFORE UPDATE OF message_data ON "
+        "agent_messages WHEN 0 BEGIN SELECT RAISE(ABORT, 'no'); END",
+    )
+    code, doc, err = verify_json()
+    assert code == 1, err
+    assert doc["problems"] == {**NONE, "schema": 1, "guard_triggers": 1}
+    assert doc["details"]["guard_triggers"] == [
+        "memvault_guard_update differs from the one memvault creates"
+    ]
+    # Control: a command migrates the file, which then has m008's guard and verifies.
+    assert run_cli("status").code == 0
+    assert run_cli("verify").code == 0
 
 
 def test_broken_meta_is_counted(vault: Vault, vault_db: Path) -> None:

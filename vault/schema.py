@@ -74,8 +74,10 @@ def m002_meta(conn: sqlite3.Connection) -> None:
 
 # A row may enter agent_messages only as a well-formed envelope under the current kid:
 # this refuses plaintext from a bare SQLiteSession, items under another key, and a
-# writer that opened the vault before a rotation.
-_NOT_SEALED = """
+# writer that opened the vault before a rotation. m003's clause, kept as it was: m008
+# replaces it in every file (a migration is history, and verify rebuilds m003's triggers
+# for a file that has not applied m008 yet).
+_NOT_SEALED_V1 = """
     CASE WHEN json_valid(NEW.message_data) THEN
         json_type(NEW.message_data) IS NOT 'object'
         OR json_extract(NEW.message_data, '$.__enc__') IS NOT 1
@@ -93,12 +95,12 @@ GUARD_MESSAGE = "memvault: refused an item not sealed with the vault's current k
 def m003_guard_triggers(conn: sqlite3.Connection) -> None:
     conn.execute(
         f"""CREATE TRIGGER IF NOT EXISTS memvault_guard_insert
-            BEFORE INSERT ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEFORE INSERT ON {MESSAGES_TABLE} WHEN {_NOT_SEALED_V1}
             BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
     )
     conn.execute(
         f"""CREATE TRIGGER IF NOT EXISTS memvault_guard_update
-            BEFORE UPDATE OF message_data ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEFORE UPDATE OF message_data ON {MESSAGES_TABLE} WHEN {_NOT_SEALED_V1}
             BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
     )
 
@@ -192,6 +194,76 @@ def m007_item_window_index(conn: sqlite3.Connection) -> None:
         f"CREATE INDEX IF NOT EXISTS {ITEM_WINDOW_INDEX} "
         f"ON {MESSAGES_TABLE} (session_id, {ITEM_WINDOW})"
     )
+
+
+# m008's clause. m003's costs a rotation, which rewrites every row, two full JSON parses
+# a row: json_valid's (SQLite caches it for the json_type and json_extract calls after
+# it) and json_each's, which parses again. A row in exactly the layout the sealers write
+# (crypto.seal and the SDK's EncryptedSession, both json.dumps with default separators)
+#     {"__enc__": 1, "v": 1, "kid": "<current kid>", "payload": "gAAAAA..."}
+# is recognised from json_valid's parse alone: the row must equal that text rebuilt
+# from its own decoded payload. A payload with a quote, a backslash or a NUL in it
+# decodes to other text than the row holds there, so nothing can follow it: the row is
+# that one envelope and nothing else, not even a NUL and more after it (the comparison
+# takes the whole value). The meta's kid, put in as it is, must hold no quote or
+# backslash either. No other pass over the row's text: each one costs about a parse.
+#
+# Any other row meets the full check, json_each's pass over the top level: exactly four
+# members, each of the envelope's keys exactly once (`key` is the label as JSON readers
+# decode it; an array's keys are integers and a scalar's is NULL, so neither matches),
+# with its JSON type:
+#   __enc__  the integer 1 (not 1.0 or true, which m003's json_extract took for 1)
+#   v        an integer (m003 let any fourth member through: plaintext under "content")
+#   kid      the meta's current kid, a JSON string
+#   payload  a JSON string that starts like a Fernet token
+# A label given twice is refused: m003's json_extract read the first and json.loads
+# keeps the last, so {"payload": "gAAAAA...", "p\u0061yload": "plaintext"} got in. So is
+# a NUL anywhere: SQLite's JSON parser stops at the first one, and m003 let in an
+# envelope followed by a NUL and anything at all. json_valid stays the first test, so
+# that malformed JSON gets the guard's message, not json_each's "malformed JSON".
+_SEALED_HEAD = '{"__enc__": 1, "v": 1, "kid": "'
+_SEALED_MID = '", "payload": "'
+_SEALED_TAIL = '"}'
+_AS_SEALED = f"""(
+            SELECT NEW.message_data =
+                    '{_SEALED_HEAD}' || m.value || '{_SEALED_MID}'
+                    || json_extract(NEW.message_data, '$.payload') || '{_SEALED_TAIL}'
+                AND substr(NEW.message_data, 1, {len(_SEALED_HEAD + _SEALED_MID) + 6}
+                    + length(m.value))
+                    = '{_SEALED_HEAD}' || m.value || '{_SEALED_MID}gAAAAA'
+            FROM memvault_meta AS m
+            WHERE m.key = 'kid' AND instr(m.value, '"') = 0 AND instr(m.value, '\\') = 0
+        )"""
+_NOT_SEALED = f"""
+    CASE
+        WHEN json_valid(NEW.message_data) IS NOT 1 THEN 1
+        WHEN {_AS_SEALED} THEN 0
+        WHEN instr(NEW.message_data, char(0)) THEN 1
+        ELSE (
+            SELECT count(*) != 4
+                OR total(key = '__enc__' AND type = 'integer' AND atom = 1) != 1
+                OR total(key = 'v' AND type = 'integer') != 1
+                OR total(key = 'kid' AND type = 'text' AND atom =
+                    (SELECT m.value FROM memvault_meta AS m WHERE m.key = 'kid')) != 1
+                OR total(key = 'payload' AND type = 'text' AND atom GLOB 'gAAAAA*') != 1
+            FROM json_each(NEW.message_data)
+        )
+    END
+"""
+
+
+@migration
+def m008_guard_triggers_text_first(conn: sqlite3.Connection) -> None:
+    for name, event in (
+        ("memvault_guard_insert", "INSERT"),
+        ("memvault_guard_update", "UPDATE OF message_data"),
+    ):
+        conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+        conn.execute(
+            f"""CREATE TRIGGER {name}
+            BEFORE {event} ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
+        )
 
 
 def migrate(conn: sqlite3.Connection) -> list[str]:
