@@ -1,0 +1,56 @@
+"""A PostgreSQL vault under hostile or careless use: malformed URLs, a password hidden in a
+disguised query key, and an open agent session whose vault another process revokes or
+shreds.
+
+Run with `scripts/with-postgres scripts/test -q -m postgres tests/test_postgres_review.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.pgserver import MARKS, SERVER_URL, password
+
+pytestmark = MARKS
+
+
+def _with_port(port: str) -> str:
+    """The test server's URL with its port replaced."""
+    head, _, rest = SERVER_URL.rpartition("@")
+    hostport, _, tail = rest.partition("/")
+    host = hostport.rsplit(":", 1)[0]
+    return f"{head}@{host}:{port}/{tail}"
+
+
+@pytest.mark.parametrize("port", ["notaport", "99999", "0", "-1"])
+def test_a_bad_port_is_a_usage_error_on_one_line(port: str) -> None:
+    r = run_cli("--db", _with_port(port), "status")
+    assert r.code == 2, r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+    assert "port" in r.err and "Traceback" not in r.err
+    assert password() not in r.err + r.out
+
+
+def test_an_unclosed_ipv6_bracket_is_a_usage_error() -> None:
+    url = SERVER_URL.rpartition("@")[0] + "@[::1:5432/db"
+    r = run_cli("--db", url, "status")
+    assert r.code == 2, r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+    assert password() not in r.err + r.out
+
+
+@pytest.mark.parametrize("key", ["pass%77ord", "PASSWORD", "%70assword", "sslpass%77ord"])
+def test_a_password_in_a_percent_encoded_query_key_is_never_printed(
+    pg_url: str, key: str
+) -> None:
+    # parse_qsl decodes the key, so the driver gets `password=...`: the shown URL must
+    # hide it as it hides `password=`.
+    r = run_cli("--db", pg_url, "init")
+    assert r.code == 0, r.err
+    secret = "Zq" + password()
+    r = run_cli("--db", f"{pg_url}&{key}={secret}", "status", "--json")
+    assert secret not in r.out + r.err
