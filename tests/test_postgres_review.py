@@ -54,3 +54,45 @@ def test_a_password_in_a_percent_encoded_query_key_is_never_printed(
     secret = "Zq" + password()
     r = run_cli("--db", f"{pg_url}&{key}={secret}", "status", "--json")
     assert secret not in r.out + r.err
+
+
+def test_an_open_session_refuses_to_read_once_another_process_revokes(pg_url: str) -> None:
+    import vault
+    from vault.errors import KeyRevoked
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+
+    async def go() -> Any:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": "before the revoke"}])
+        assert len(await s.get_items()) == 1
+        r = await asyncio.to_thread(run_cli, "--db", pg_url, "revoke", "--yes")
+        assert r.code == 0, r.err
+        # A file session refuses here too: the history was cut off from every key.
+        with pytest.raises(KeyRevoked):
+            await s.get_items()
+
+    asyncio.run(go())
+
+
+def test_an_open_session_says_no_vault_once_another_process_shreds(pg_url: str) -> None:
+    import vault
+    from vault.errors import NotAVault
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+
+    async def go() -> Any:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": "before the shred"}])
+        r = await asyncio.to_thread(run_cli, "--db", pg_url, "shred", "--yes")
+        assert r.code == 0, r.err
+        with pytest.raises(NotAVault) as read:
+            await s.get_items()
+        assert read.value.exit_code == 3
+        assert password() not in read.value.message
+        with pytest.raises(NotAVault):
+            await s.add_items([{"role": "user", "content": "after"}])
+
+    asyncio.run(go())

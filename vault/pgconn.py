@@ -88,6 +88,14 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
             f"{where} is busy: another session holds a lock this one needs ({text}); wait "
             "for it to finish, or raise MEMVAULT_LOCK_TIMEOUT (seconds)"
         )
+    if state == "42P01":
+        # Every table memvault names is a vault's: one missing mid-run means the vault was
+        # shredded (or its tables dropped) since this process opened it.
+        return NotAVault(
+            f"no vault in {where} any more (its tables are gone: shredded or dropped "
+            "meanwhile); create one with `memvault init`, or point --db / MEMVAULT_DB at an "
+            "existing vault"
+        )
     if state == "42501":
         return OperationFailed(
             f"the PostgreSQL user of {where} lacks a privilege ({text}); grant it, or use "
