@@ -8,6 +8,7 @@ Run with `scripts/with-postgres scripts/test -q -m postgres tests/test_postgres_
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any
 
 import pytest
@@ -96,3 +97,48 @@ def test_an_open_session_says_no_vault_once_another_process_shreds(pg_url: str) 
             await s.add_items([{"role": "user", "content": "after"}])
 
     asyncio.run(go())
+
+
+def test_a_rotation_whose_connection_drops_says_so_and_the_next_one_finishes(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.pgserver import raw_kids, sql
+    from vault import testhooks
+    from vault.errors import OperationFailed
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+
+    async def fill() -> None:
+        import vault
+
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"m{i}"} for i in range(30)])
+
+    asyncio.run(fill())
+    killed = []
+
+    def drop_the_connection(name: str) -> None:
+        # The server ends the rotation's backend (the advisory lock's holder) after a batch:
+        # what a restart, a failover or an idle-session killer does.
+        if name == "pg-rotate-after-batch" and not killed:
+            query = (
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND granted AND pid <> pg_backend_pid()"
+            )
+            # Called inside the rotation's event loop: the helper's own loop on a thread.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                killed.extend(pool.submit(sql, pg_url, query).result())
+
+    monkeypatch.setattr(testhooks, "failpoint", drop_the_connection)
+    with pytest.raises(OperationFailed) as cut:
+        PgVault.open(pg_url).rotate(batch=10)
+    assert killed
+    message = cut.value.message
+    assert "connection" in message and "memvault rotate" in message, message
+    assert password() not in message
+    monkeypatch.undo()
+    report = PgVault.open(pg_url).rotate(batch=10)
+    assert set(raw_kids(pg_url)) == {report.counts["new_kid"]}
+    items, _expired, unreadable = PgVault.open(pg_url).items("s1")
+    assert len(items) == 30 and unreadable == 0

@@ -19,6 +19,8 @@ from .schema import GUARD_MESSAGE
 
 T = TypeVar("T")
 CONNECT_TIMEOUT = 30.0
+# The server ended the session mid-command: a restart, a failover, pg_terminate_backend.
+LOST = ("08003", "08006", "57P01", "57P02")
 
 
 def server_settings(loc: PgLocation) -> dict[str, str]:
@@ -105,6 +107,12 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
         return OperationFailed(f"{GUARD_MESSAGE}; nothing was stored")
     if state in ("53300", "57P03"):
         return VaultBusy(f"the PostgreSQL server of {where} is not accepting sessions ({text})")
+    if state in LOST or type(exc).__name__ == "ConnectionDoesNotExistError":
+        return OperationFailed(
+            f"lost the connection to the PostgreSQL server of {where} mid-command ({text}); "
+            "what was committed stays; run the command again (a `memvault rotate` or "
+            "`memvault shred` cut off resumes where it stopped)"
+        )
     if state is not None:
         return OperationFailed(f"PostgreSQL error on {where}: {text} (SQLSTATE {state})")
     if isinstance(exc, OSError | TimeoutError):
