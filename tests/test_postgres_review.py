@@ -142,3 +142,24 @@ def test_a_rotation_whose_connection_drops_says_so_and_the_next_one_finishes(
     assert set(raw_kids(pg_url)) == {report.counts["new_kid"]}
     items, _expired, unreadable = PgVault.open(pg_url).items("s1")
     assert len(items) == 30 and unreadable == 0
+
+
+def test_a_schema_the_user_may_not_use_is_a_privilege_error_not_no_vault(pg_url: str) -> None:
+    from tests.pgserver import sql
+    from vault.pg import PgVault
+
+    schema = PgVault.init(pg_url, ttl=3600).loc.schema
+    assert schema is not None
+    # The owner takes its own USAGE away: what a role without the DBA's GRANT USAGE meets.
+    sql(pg_url, f"REVOKE USAGE ON SCHEMA {schema} FROM CURRENT_USER")
+    try:
+        r = run_cli("--db", pg_url, "status")
+        assert r.code == 1, r
+        assert "USAGE" in r.err and "memvault init" not in r.err, r.err
+        assert len(r.err.strip().splitlines()) == 1 and password() not in r.err
+        r = run_cli("--db", pg_url, "verify")
+        assert r.code == 1 and "USAGE" in r.err, r
+        r = run_cli("--db", pg_url, "init")
+        assert r.code == 1 and "USAGE" in r.err, r
+    finally:
+        sql(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO CURRENT_USER")

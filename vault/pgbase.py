@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 from . import crypto, pgrotate, pgschema
 from .db import parse_ttl
-from .errors import KeyMissing, NotAVault, VaultBusy, VaultError
+from .errors import KeyMissing, NotAVault, OperationFailed, VaultBusy, VaultError
 from .keyjournal import entry_name
 from .keys import KeyStore, require_key
 from .lifecycle import refuse_revoked
@@ -76,12 +76,26 @@ class PgVaultBase:
 
     async def _read_meta(self, conn: Any) -> dict[str, str]:
         if await conn.fetchval("SELECT to_regclass('memvault_meta')") is None:
+            await self._refuse_unusable_schema(conn)
             raise self._no_vault(await pgschema.current_schema(conn))
         meta = {r[0]: r[1] for r in await conn.fetch("SELECT key, value FROM memvault_meta")}
         for required in ("format", "vault_id", "kid"):
             if required not in meta:
                 raise NotAVault(f"{self.path} lacks the vault's {required}; it is not usable")
         return meta
+
+    async def _refuse_unusable_schema(self, conn: Any) -> None:
+        """The URL's schema exists but this user lacks USAGE on it: the server then hides
+        every table in it, and "no vault, run init" would send the user the wrong way."""
+        if self.loc.schema and await conn.fetchval(
+            "SELECT NOT has_schema_privilege(oid, 'USAGE') FROM pg_namespace WHERE nspname = $1",
+            self.loc.schema,
+        ):
+            raise OperationFailed(
+                f"the PostgreSQL user of {self.path} lacks USAGE on schema "
+                f"{self.loc.schema!r}, so it cannot see a vault there; grant it (GRANT USAGE "
+                "ON SCHEMA ... TO ...), or use the vault's owner; nothing was changed"
+            )
 
     def _no_vault(self, schema: str | None) -> NotAVault:
         where = f"schema {schema!r} of " if schema else ""
