@@ -163,3 +163,14 @@ def test_a_schema_the_user_may_not_use_is_a_privilege_error_not_no_vault(pg_url:
         assert r.code == 1 and "USAGE" in r.err, r
     finally:
         sql(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO CURRENT_USER")
+
+
+def test_an_unencoded_at_sign_in_the_password_is_refused_before_any_lookup() -> None:
+    # The driver would split at the first '@' and look the password's tail up as a host.
+    user, _, hostpart = SERVER_URL.partition("://")[2].rpartition("@")
+    name = user.split(":", 1)[0]
+    url = f"postgresql+asyncpg://{name}:Zq{password()}@tail@{hostpart}"
+    r = run_cli("--db", url, "status")
+    assert r.code == 2, r
+    assert "%40" in r.err and len(r.err.strip().splitlines()) == 1
+    assert password() not in r.err + r.out and "tail" not in r.err

@@ -140,6 +140,13 @@ def parse(url: str) -> PgLocation:
             "in the user name and password (/ is %2F, ? is %3F, # is %23, @ is %40); "
             "nothing was changed"
         )
+    if rest[:authority_end].count("@") > 1:
+        # The driver splits at the first '@': the rest of the password would be taken for
+        # the host name, looked up in DNS and shown in errors as the server.
+        raise BadInput(
+            f"{shown}: the user name or password holds an unencoded '@'; percent-encode it "
+            "as %40 (and / as %2F, ? as %3F, # as %23); nothing was changed"
+        )
     base, _, query = rest.partition("?")
     query, _, _fragment = query.partition("#")
     params = urllib.parse.parse_qsl(query, keep_blank_values=True)
