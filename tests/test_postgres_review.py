@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +175,53 @@ def test_an_unencoded_at_sign_in_the_password_is_refused_before_any_lookup() -> 
     assert r.code == 2, r
     assert "%40" in r.err and len(r.err.strip().splitlines()) == 1
     assert password() not in r.err + r.out and "tail" not in r.err
+
+
+@pytest.mark.slow
+def test_a_kit_imported_during_a_rotation_says_the_old_key_stays_until_it_ends(
+    pg_url: str, tmp_path: Path
+) -> None:
+    from tests.pgserver import sql
+    from tests.test_postgres_admin import host_b_env, host_b_keys, write
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+    write(pg_url, "s1", [f"m{i}" for i in range(5)])
+    b = host_b_env(tmp_path)
+    pw = tmp_path / "passphrase"
+    pw.write_text("correct horse battery staple\n")
+    pw.chmod(0o600)
+    kit1, kit2 = tmp_path / "kit1.json", tmp_path / "kit2.json"
+    def export(kit: Path) -> None:
+        r = run_cli("--db", pg_url, "key", "export", "--passphrase-file", str(pw), str(kit))
+        assert r.code == 0, r
+
+    export(kit1)
+    imp1 = run_cli("--db", pg_url, "key", "import", "--passphrase-file", str(pw), str(kit1), env=b)
+    assert imp1.code == 0, imp1
+    kid1 = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'kid'")[0]["value"]
+    vault_id = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'vault_id'")[0]["value"]
+
+    # Host A's rotation is cut off after its switch: rows still under kid1, the new key current.
+    cut = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_FAILPOINT": "pg-rotate-after-switch"})
+    assert cut.code != 0
+    export(kit2)
+    # B imports the new kit now, as README's "Several hosts" tells it to once it refuses.
+    r = run_cli(
+        "--db", pg_url, "--json", "key", "import", "--passphrase-file", str(pw), str(kit2), env=b
+    )
+    assert r.code == 0, r
+    # B still needs kid1 for the rows not yet moved: the import must keep it, and say so.
+    assert f"{vault_id}/{kid1}" in host_b_keys(tmp_path)
+    assert r.json()["kept_until_rotation_ends"] == [kid1], r.out
+    human = run_cli("--db", pg_url, "key", "import", "--passphrase-file", str(pw), str(kit2), env=b)
+    assert kid1 in human.out and "again" in human.out, human
+
+    # A finishes the rotation; B's second import, as told, takes kid1 out of B's keyring.
+    assert run_cli("--db", pg_url, "rotate").code == 0
+    r = run_cli(
+        "--db", pg_url, "--json", "key", "import", "--passphrase-file", str(pw), str(kit2), env=b
+    )
+    assert r.code == 0 and r.json()["destroyed_here"] == [kid1], r
+    assert r.json()["kept_until_rotation_ends"] == []
+    assert f"{vault_id}/{kid1}" not in host_b_keys(tmp_path)

@@ -408,3 +408,13 @@ def forget_destroyed(vault: PgVault) -> list[str]:
     vault_id, kids = vault._run(read)
     ks = vault.keystore
     return [k for k in kids if ks.delete(entry_name(vault_id, k))]
+
+
+def kept_for_rotation(vault: PgVault) -> list[str]:
+    """The key a running (or cut-off) rotation still moves rows from, if this keyring holds
+    it: `key import` cannot delete it yet (those rows need it), and says to run again."""
+    meta = vault.meta()
+    old = meta.get(FROM)
+    if old is None or vault.keystore.get(entry_name(meta["vault_id"], old)) is None:
+        return []
+    return [old]
