@@ -225,3 +225,51 @@ def test_a_kit_imported_during_a_rotation_says_the_old_key_stays_until_it_ends(
     assert r.code == 0 and r.json()["destroyed_here"] == [kid1], r
     assert r.json()["kept_until_rotation_ends"] == []
     assert f"{vault_id}/{kid1}" not in host_b_keys(tmp_path)
+
+
+def test_a_straggler_in_another_json_layout_is_moved_before_the_old_key_goes(
+    pg_url: str,
+) -> None:
+    """The guard accepts any JSON layout of an envelope (compact, keys in another order, as
+    a client other than the SDK writes it): the straggler sweep must find such a row under
+    the old key too, or its key is destroyed with the row still under it."""
+    import json
+
+    import vault
+    from tests.pgserver import raw_kids, sql
+    from vault import crypto
+    from vault.keyjournal import entry_name
+    from vault.keys import KeyStore
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+
+    async def write() -> None:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"turn {i}"} for i in range(600)])
+
+    asyncio.run(write())  # more than one batch of 500
+    r = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_FAILPOINT": "pg-rotate-after-batch"})
+    assert r.code == -9, r
+    meta = dict(sql(pg_url, "SELECT key, value FROM memvault_meta"))
+    old_key = KeyStore().get(entry_name(meta["vault_id"], meta["rotating_from"]))
+    assert old_key is not None
+    first = sql(pg_url, "SELECT min(id) AS id FROM agent_messages")[0]["id"]
+    sealed = json.loads(crypto.Sealer(old_key).seal("s1", {"role": "user", "content": "turn 0"}))
+    compact = json.dumps(dict(reversed(list(sealed.items()))), separators=(",", ":"))
+    sql(
+        pg_url,
+        "ALTER TABLE agent_messages DISABLE TRIGGER USER",
+        "UPDATE agent_messages SET message_data = $1 WHERE id = $2",
+        args=(compact, first),
+    )
+    sql(pg_url, "ALTER TABLE agent_messages ENABLE TRIGGER USER")
+
+    r = run_cli("--db", pg_url, "--json", "rotate")
+
+    assert r.code == 0, r
+    assert r.json()["stragglers"] == 1, r.json()
+    assert set(raw_kids(pg_url)) == {meta["kid"]}
+    shown = run_cli("--db", pg_url, "--json", "show", "s1")
+    assert shown.code == 0, shown
+    assert [i["content"] for i in shown.json()["items"]] == [f"turn {i}" for i in range(600)]

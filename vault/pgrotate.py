@@ -216,7 +216,9 @@ def kid_of(message_data: str) -> str | None:
 async def _stragglers(conn: Any, old: crypto.Sealer, new: crypto.Sealer, batch: int) -> int:
     """Re-encrypt the rows still under the old key that the ordered batches went past
     (a write committed under it behind their progress): none, when writers behave."""
-    marker = f'"kid": "{old.kid}"'
+    # The kid's text alone, not `"kid": "..."`: the guard lets any JSON layout of an
+    # envelope in (compact, keys in another order), and each candidate is checked below.
+    marker = old.kid
     moved, last = 0, 0
     while True:
         async with conn.transaction():
@@ -234,7 +236,7 @@ async def _stragglers(conn: Any, old: crypto.Sealer, new: crypto.Sealer, batch: 
             updates = []
             for row_id, sid, data in rows:
                 if kid_of(data) != old.kid:
-                    continue  # the marker inside some other text: not an envelope under it
+                    continue  # the kid inside some other text: not an envelope under it
                 stamped = crypto.rotate_row_stamped(old, new, sid, data)
                 if stamped is not None:  # else unreadable: kept, as the batches keep it
                     updates.append((stamped[0], row_id))
