@@ -273,3 +273,22 @@ def test_a_straggler_in_another_json_layout_is_moved_before_the_old_key_goes(
     shown = run_cli("--db", pg_url, "--json", "show", "s1")
     assert shown.code == 0, shown
     assert [i["content"] for i in shown.json()["items"]] == [f"turn {i}" for i in range(600)]
+
+
+def test_a_schema_name_with_capitals_holds_a_vault_from_init_to_shred() -> None:
+    import secrets
+
+    from tests.pgserver import sql
+
+    schema = "Team_" + secrets.token_hex(4)
+    url = f"{SERVER_URL}?schema={schema}"
+    try:
+        r = run_cli("--db", url, "init")
+        assert r.code == 0, r
+        r = run_cli("--db", url, "--json", "status")
+        assert r.code == 0 and r.json()["schema"] == schema, r
+        r = run_cli("--db", url, "--json", "shred", "--yes")
+        assert r.code == 0, r
+        assert r.json()["schema_dropped"] is True, r.json()
+    finally:
+        sql(SERVER_URL, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -114,7 +114,9 @@ class PgLocation:
         """Per-connection settings: the vault's schema first, timestamps in UTC."""
         out = {"timezone": "UTC"}
         if self.schema:
-            out["search_path"] = self.schema
+            # Quoted: unquoted, the server folds `Alice` to `alice`, and init then found
+            # no schema to create the vault in (it had created "Alice").
+            out["search_path"] = '"' + self.schema + '"'
         return out
 
 
