@@ -292,3 +292,33 @@ def test_a_schema_name_with_capitals_holds_a_vault_from_init_to_shred() -> None:
         assert r.json()["schema_dropped"] is True, r.json()
     finally:
         sql(SERVER_URL, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_a_host_that_joined_during_a_rotation_is_told_to_let_it_finish(
+    pg_url: str, tmp_path: Path
+) -> None:
+    from tests.test_postgres_admin import host_b_env, write
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+    write(pg_url, "s1", [f"m{i}" for i in range(600)])  # more than one batch of 500
+    cut = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_FAILPOINT": "pg-rotate-after-batch"})
+    assert cut.code == -9, cut
+    pw = tmp_path / "passphrase"
+    pw.write_text("correct horse battery staple\n")
+    pw.chmod(0o600)
+    kit = tmp_path / "kit.json"
+    r = run_cli("--db", pg_url, "key", "export", "--passphrase-file", str(pw), str(kit))
+    assert r.code == 0, r
+    # Host C is new: it gets the only kit there is now, of the new key.
+    c = host_b_env(tmp_path)
+    r = run_cli("--db", pg_url, "key", "import", "--passphrase-file", str(pw), str(kit), env=c)
+    assert r.code == 0, r
+    r = run_cli("--db", pg_url, "show", "s1", "--limit", "2", env=c)  # rows not yet moved
+    assert r.code == 4, r
+    assert "memvault rotate" in r.err and "key import" not in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1
+    # Once the rotation is finished, host C reads everything.
+    assert run_cli("--db", pg_url, "rotate").code == 0
+    r = run_cli("--db", pg_url, "--json", "show", "s1", env=c)
+    assert r.code == 0 and len(r.json()["items"]) == 600, r

@@ -172,6 +172,15 @@ class PgVaultBase:
         key = ks.get(entry_name(meta["vault_id"], kid))
         if key is None and self.meta().get(pgrotate.FROM) != kid:
             return None  # the rotation finished and deleted the entry meanwhile
+        if key is None:
+            # A host that imported the new kit during the rotation: no kit holds the old
+            # key any more (an older one is refused), so "import KIT" would be no way out.
+            raise KeyMissing(
+                f"a rotation of vault {meta['vault_id']} is still moving rows from key {kid}, "
+                f"which this keyring ({ks.name}) does not hold; those rows open once it "
+                "ends: wait for it, or, if it was cut off, run `memvault rotate` on a host "
+                "that holds that key"
+            )
         self._others[kid] = crypto.Sealer(require_key(key, meta["vault_id"], kid, ks.name))
         return self._others[kid]
 
