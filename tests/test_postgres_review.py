@@ -322,3 +322,44 @@ def test_a_host_that_joined_during_a_rotation_is_told_to_let_it_finish(
     assert run_cli("--db", pg_url, "rotate").code == 0
     r = run_cli("--db", pg_url, "--json", "show", "s1", env=c)
     assert r.code == 0 and len(r.json()["items"]) == 600, r
+
+
+def test_a_shred_refused_a_privilege_after_destroying_the_key_does_not_say_nothing_changed(
+    pg_url: str,
+) -> None:
+    from tests.pgserver import entries_left, sql
+    from tests.test_postgres_admin import write
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+    write(pg_url, "s1", ["doomed"])
+    # A role without DELETE on the messages (the owner takes its own away to play one).
+    sql(pg_url, "REVOKE DELETE ON agent_messages FROM CURRENT_USER")
+    r = run_cli("--db", pg_url, "shred", "--yes")
+    assert r.code == 1, r
+    assert not any(entries_left(pg_url).values())  # the keys went first, as designed
+    assert "nothing was changed" not in r.err, r.err
+    assert "memvault shred" in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    sql(pg_url, "GRANT DELETE ON agent_messages TO CURRENT_USER")
+    again = run_cli("--db", pg_url, "--json", "shred", "--yes")
+    assert again.code == 0 and again.json()["resumed"] is True, again
+
+
+def test_a_rotation_refused_a_privilege_after_its_switch_says_how_to_finish(pg_url: str) -> None:
+    from tests.pgserver import sql
+    from tests.test_postgres_admin import write
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+    write(pg_url, "s1", ["kept"])
+    sql(pg_url, "REVOKE UPDATE ON agent_messages FROM CURRENT_USER")
+    r = run_cli("--db", pg_url, "rotate")
+    assert r.code == 1, r
+    meta = dict(sql(pg_url, "SELECT key, value FROM memvault_meta"))
+    assert "rotating_from" in meta  # the switch committed: something did change
+    assert "nothing was changed" not in r.err, r.err
+    assert "memvault rotate" in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    sql(pg_url, "GRANT UPDATE ON agent_messages TO CURRENT_USER")
+    assert run_cli("--db", pg_url, "rotate").code == 0
+    shown = run_cli("--db", pg_url, "--json", "show", "s1")
+    assert shown.code == 0 and shown.json()["items"][0]["content"] == "kept", shown

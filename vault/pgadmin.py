@@ -31,6 +31,7 @@ from .errors import KeyProblem, OperationFailed, VaultBusy
 from .files import Progress
 from .keyjournal import CURRENT, DESTROYED, PENDING, entry_name
 from .lifecycle import KeyVersionInfo, refuse_revoked
+from .pgconn import translate_after
 from .pglock import admin_lock
 from .pgrotate import FROM, PROGRESS, kid_of
 from .pgschema import _q, audit, current_schema, record_key
@@ -318,25 +319,33 @@ def shred(vault: PgVault) -> dict[str, Any]:
             )
             outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
             report.update(outcome)
-        async with conn.transaction():
-            for k in sorted(kids):
-                await record_key(conn, k, DESTROYED)
-            await _set(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
-        testhooks.failpoint("pg-shred-after-keys")
-        async with conn.transaction():
-            await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
-            await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
-        await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
-        testhooks.failpoint("pg-shred-after-vacuum")
-        async with conn.transaction():
-            for table in VAULT_TABLES:
-                await conn.execute(f"DROP TABLE IF EXISTS {table}")
-            await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
-        report["tables_dropped"] = list(VAULT_TABLES)
-        report["vacuumed"] = True
-        report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
-            conn, schema, created
-        )
+        try:
+            async with conn.transaction():
+                for k in sorted(kids):
+                    await record_key(conn, k, DESTROYED)
+                await _set(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
+            testhooks.failpoint("pg-shred-after-keys")
+            async with conn.transaction():
+                await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
+                await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
+            await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
+            testhooks.failpoint("pg-shred-after-vacuum")
+            async with conn.transaction():
+                for table in VAULT_TABLES:
+                    await conn.execute(f"DROP TABLE IF EXISTS {table}")
+                await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
+            report["tables_dropped"] = list(VAULT_TABLES)
+            report["vacuumed"] = True
+            report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
+                conn, schema, created
+            )
+        except Exception as exc:
+            raise translate_after(
+                exc,
+                vault.loc,
+                "the vault's keys are already destroyed (its rows can never be read again); "
+                "fix that, then run `memvault shred` again to finish",
+            ) from None
         report["files"] = []
         report["files_note"] = PG_SHRED_FILES_NOTE
         report["at"] = utcnow()

@@ -126,6 +126,16 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
     return OperationFailed(f"PostgreSQL connection to {where} failed ({type(exc).__name__})")
 
 
+def translate_after(exc: BaseException, loc: PgLocation, done: str) -> BaseException:
+    """`translate` for a failure after a step that cannot be undone (the keys destroyed,
+    the switch to a new key): its "nothing was changed" would be false, so the message
+    says what is done and how to finish instead. Not a driver error: `exc` itself."""
+    if not is_driver_error(exc):
+        return exc
+    err = translate(exc, loc)
+    return type(err)(f"{err.message.removesuffix('; nothing was changed')}; {done}")
+
+
 def is_driver_error(exc: BaseException) -> bool:
     """An error of the connection or the server (translated), not a bug of memvault's."""
     if isinstance(exc, OSError | TimeoutError):

@@ -37,6 +37,7 @@ from .files import Progress
 from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, entry_name
 from .keys import require_key
 from .lifecycle import refuse_revoked
+from .pgconn import translate_after
 from .pglock import admin_lock
 from .pgschema import audit, current_schema, record_key
 from .results import Report
@@ -68,9 +69,17 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
         assert schema is not None
         async with admin_lock(conn, schema, vault.path):
             old, new = await _start_or_resume(vault, conn)
-            counts = await _batches(vault, conn, old, new, progress, batch)
-            # The old key is retired only when no row under it remains, wherever it is.
-            counts["stragglers"] = await _stragglers(conn, old, new, batch)
+            try:
+                counts = await _batches(vault, conn, old, new, progress, batch)
+                # The old key is retired only when no row under it remains, wherever it is.
+                counts["stragglers"] = await _stragglers(conn, old, new, batch)
+            except Exception as exc:
+                raise translate_after(
+                    exc,
+                    vault.loc,
+                    f"the vault already switched to key {new.kid} (both keys read meanwhile); "
+                    "fix that, then run `memvault rotate` again to finish",
+                ) from None
             async with conn.transaction():
                 await conn.execute(
                     "DELETE FROM memvault_meta WHERE key = ANY($1)", [FROM, PROGRESS]
