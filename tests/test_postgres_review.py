@@ -363,3 +363,20 @@ def test_a_rotation_refused_a_privilege_after_its_switch_says_how_to_finish(pg_u
     assert run_cli("--db", pg_url, "rotate").code == 0
     shown = run_cli("--db", pg_url, "--json", "show", "s1")
     assert shown.code == 0 and shown.json()["items"][0]["content"] == "kept", shown
+
+
+def test_a_revoke_refused_a_privilege_after_its_mark_does_not_say_nothing_changed(
+    pg_url: str,
+) -> None:
+    from tests.pgserver import entries_left, sql
+    from vault.pg import PgVault
+
+    PgVault.init(pg_url, ttl=3600)
+    sql(pg_url, "REVOKE UPDATE ON memvault_keys FROM CURRENT_USER")
+    r = run_cli("--db", pg_url, "revoke", "--yes")
+    assert r.code == 1, r
+    assert not any(entries_left(pg_url).values())
+    assert "nothing was changed" not in r.err, r.err
+    assert "memvault revoke" in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    sql(pg_url, "GRANT UPDATE ON memvault_keys TO CURRENT_USER")
+    assert run_cli("--db", pg_url, "revoke", "--yes").code == 0

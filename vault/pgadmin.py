@@ -256,9 +256,17 @@ def revoke(vault: PgVault) -> dict[str, Any]:
                 await audit(conn, "revoke", kid)
         testhooks.failpoint("pg-revoke-after-mark")
         outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
-        async with conn.transaction():
-            for k in sorted(kids):
-                await record_key(conn, k, DESTROYED)
+        try:
+            async with conn.transaction():
+                for k in sorted(kids):
+                    await record_key(conn, k, DESTROYED)
+        except Exception as exc:
+            raise translate_after(
+                exc,
+                vault.loc,
+                "the vault is marked revoked and this keyring's entries of it are destroyed; "
+                "fix that, then run `memvault revoke --yes` again to finish",
+            ) from None
         return {"vault_id": vault_id, "kid": kid, "already_revoked": already, **outcome}
 
     try:
