@@ -72,8 +72,9 @@ def test_an_open_session_refuses_to_read_once_another_process_revokes(pg_url: st
         r = await asyncio.to_thread(run_cli, "--db", pg_url, "revoke", "--yes")
         assert r.code == 0, r.err
         # A file session refuses here too: the history was cut off from every key.
-        with pytest.raises(KeyRevoked):
+        with pytest.raises(KeyRevoked) as refused:
             await s.get_items()
+        assert "file" not in refused.value.message  # a PostgreSQL vault has none
 
     asyncio.run(go())
 
