@@ -330,15 +330,23 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
 
     r = import_kit(vault, file, lambda: ask(False), ask_replace)
     if getattr(vault, "backend", None) == "postgresql":
-        from .pgadmin import forget_destroyed
+        from .pgadmin import forget_destroyed, kept_for_rotation
 
         # Another host rotated: the versions the vault destroyed leave this keyring too.
         r["destroyed_here"] = forget_destroyed(vault)  # type: ignore[arg-type]
+        # A rotation still under way needs its old key here until it ends.
+        r["kept_until_rotation_ends"] = kept_for_rotation(vault)  # type: ignore[arg-type]
 
     def human() -> None:
         if r.get("destroyed_here"):
             click.echo(
                 f"destroyed this keyring's entries of retired keys {', '.join(r['destroyed_here'])}"
+            )
+        if r.get("kept_until_rotation_ends"):
+            click.echo(
+                f"kept key {', '.join(r['kept_until_rotation_ends'])} in this keyring: a "
+                "rotation still moves rows from it; run this import again once it has finished "
+                "(`memvault status` shows no rotation) to delete it here"
             )
         if r["restored"]:
             extra = f" (replaced key {r['replaced_kid']})" if r["replaced_kid"] else ""

@@ -329,7 +329,7 @@ def check_kit_fits(vault: Vault | PgVault, kit: Kit, path: Path) -> dict[str, st
     if "revoked_at" in meta:
         raise KeyRevoked(
             f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; a "
-            "recovery kit cannot bring it back (the file's rows were cut off from every key)"
+            "recovery kit cannot bring it back (its rows were cut off from every key)"
         )
     if kit.kid != meta["kid"]:
         raise KeyMismatch(

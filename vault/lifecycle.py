@@ -51,7 +51,7 @@ def refuse_revoked(meta: dict[str, str]) -> None:
     if "revoked_at" in meta:
         raise KeyRevoked(
             f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; its "
-            "history can never be read again; `memvault shred` removes the file"
+            "history can never be read again; `memvault shred` removes the vault"
         )
 
 

@@ -118,6 +118,7 @@ class PgVault(PgVaultBase):
                 ):
                     created = vault.loc.schema
                 await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {pgschema._q(vault.loc.schema)}")
+            await vault.refuse_unusable_schema(conn)
             schema = await pgschema.current_schema(conn)
             if schema is None:
                 raise OperationFailed(

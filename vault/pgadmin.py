@@ -31,6 +31,7 @@ from .errors import KeyProblem, OperationFailed, VaultBusy
 from .files import Progress
 from .keyjournal import CURRENT, DESTROYED, PENDING, entry_name
 from .lifecycle import KeyVersionInfo, refuse_revoked
+from .pgconn import translate_after
 from .pglock import admin_lock
 from .pgrotate import FROM, PROGRESS, kid_of
 from .pgschema import _q, audit, current_schema, record_key
@@ -255,9 +256,17 @@ def revoke(vault: PgVault) -> dict[str, Any]:
                 await audit(conn, "revoke", kid)
         testhooks.failpoint("pg-revoke-after-mark")
         outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
-        async with conn.transaction():
-            for k in sorted(kids):
-                await record_key(conn, k, DESTROYED)
+        try:
+            async with conn.transaction():
+                for k in sorted(kids):
+                    await record_key(conn, k, DESTROYED)
+        except Exception as exc:
+            raise translate_after(
+                exc,
+                vault.loc,
+                "the vault is marked revoked and this keyring's entries of it are destroyed; "
+                "fix that, then run `memvault revoke --yes` again to finish",
+            ) from None
         return {"vault_id": vault_id, "kid": kid, "already_revoked": already, **outcome}
 
     try:
@@ -317,25 +326,33 @@ def shred(vault: PgVault) -> dict[str, Any]:
             )
             outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
             report.update(outcome)
-        async with conn.transaction():
-            for k in sorted(kids):
-                await record_key(conn, k, DESTROYED)
-            await _set(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
-        testhooks.failpoint("pg-shred-after-keys")
-        async with conn.transaction():
-            await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
-            await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
-        await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
-        testhooks.failpoint("pg-shred-after-vacuum")
-        async with conn.transaction():
-            for table in VAULT_TABLES:
-                await conn.execute(f"DROP TABLE IF EXISTS {table}")
-            await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
-        report["tables_dropped"] = list(VAULT_TABLES)
-        report["vacuumed"] = True
-        report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
-            conn, schema, created
-        )
+        try:
+            async with conn.transaction():
+                for k in sorted(kids):
+                    await record_key(conn, k, DESTROYED)
+                await _set(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
+            testhooks.failpoint("pg-shred-after-keys")
+            async with conn.transaction():
+                await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
+                await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
+            await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
+            testhooks.failpoint("pg-shred-after-vacuum")
+            async with conn.transaction():
+                for table in VAULT_TABLES:
+                    await conn.execute(f"DROP TABLE IF EXISTS {table}")
+                await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
+            report["tables_dropped"] = list(VAULT_TABLES)
+            report["vacuumed"] = True
+            report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
+                conn, schema, created
+            )
+        except Exception as exc:
+            raise translate_after(
+                exc,
+                vault.loc,
+                "the vault's keys are already destroyed (its rows can never be read again); "
+                "fix that, then run `memvault shred` again to finish",
+            ) from None
         report["files"] = []
         report["files_note"] = PG_SHRED_FILES_NOTE
         report["at"] = utcnow()
@@ -406,3 +423,13 @@ def forget_destroyed(vault: PgVault) -> list[str]:
     vault_id, kids = vault.run(read)
     ks = vault.keystore
     return [k for k in kids if ks.delete(entry_name(vault_id, k))]
+
+
+def kept_for_rotation(vault: PgVault) -> list[str]:
+    """The key a running (or cut-off) rotation still moves rows from, if this keyring holds
+    it: `key import` cannot delete it yet (those rows need it), and says to run again."""
+    meta = vault.meta()
+    old = meta.get(FROM)
+    if old is None or vault.keystore.get(entry_name(meta["vault_id"], old)) is None:
+        return []
+    return [old]

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 
 from . import crypto, pgrotate, pgschema
 from .db import parse_ttl
-from .errors import KeyMissing, NotAVault, VaultBusy, VaultError
+from .errors import KeyMissing, NotAVault, OperationFailed, VaultBusy, VaultError
 from .keyjournal import entry_name
 from .keys import KeyStore, require_key
 from .lifecycle import refuse_revoked
@@ -76,12 +76,26 @@ class PgVaultBase:
 
     async def read_meta(self, conn: Any) -> dict[str, str]:
         if await conn.fetchval("SELECT to_regclass('memvault_meta')") is None:
+            await self.refuse_unusable_schema(conn)
             raise self.no_vault(await pgschema.current_schema(conn))
         meta = {r[0]: r[1] for r in await conn.fetch("SELECT key, value FROM memvault_meta")}
         for required in ("format", "vault_id", "kid"):
             if required not in meta:
                 raise NotAVault(f"{self.path} lacks the vault's {required}; it is not usable")
         return meta
+
+    async def refuse_unusable_schema(self, conn: Any) -> None:
+        """The URL's schema exists but this user lacks USAGE on it: the server then hides
+        every table in it, and "no vault, run init" would send the user the wrong way."""
+        if self.loc.schema and await conn.fetchval(
+            "SELECT NOT has_schema_privilege(oid, 'USAGE') FROM pg_namespace WHERE nspname = $1",
+            self.loc.schema,
+        ):
+            raise OperationFailed(
+                f"the PostgreSQL user of {self.path} lacks USAGE on schema "
+                f"{self.loc.schema!r}, so it cannot see a vault there; grant it (GRANT USAGE "
+                "ON SCHEMA ... TO ...), or use the vault's owner; nothing was changed"
+            )
 
     def no_vault(self, schema: str | None) -> NotAVault:
         where = f"schema {schema!r} of " if schema else ""
@@ -158,6 +172,15 @@ class PgVaultBase:
         key = ks.get(entry_name(meta["vault_id"], kid))
         if key is None and self.meta().get(pgrotate.FROM) != kid:
             return None  # the rotation finished and deleted the entry meanwhile
+        if key is None:
+            # A host that imported the new kit during the rotation: no kit holds the old
+            # key any more (an older one is refused), so "import KIT" would be no way out.
+            raise KeyMissing(
+                f"a rotation of vault {meta['vault_id']} is still moving rows from key {kid}, "
+                f"which this keyring ({ks.name}) does not hold; those rows open once it "
+                "ends: wait for it, or, if it was cut off, run `memvault rotate` on a host "
+                "that holds that key"
+            )
         self._others[kid] = crypto.Sealer(require_key(key, meta["vault_id"], kid, ks.name))
         return self._others[kid]
 

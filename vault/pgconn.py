@@ -19,6 +19,8 @@ from .schema import GUARD_MESSAGE
 
 T = TypeVar("T")
 CONNECT_TIMEOUT = 30.0
+# The server ended the session mid-command: a restart, a failover, pg_terminate_backend.
+LOST = ("08003", "08006", "57P01", "57P02")
 
 
 def server_settings(loc: PgLocation) -> dict[str, str]:
@@ -88,6 +90,14 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
             f"{where} is busy: another session holds a lock this one needs ({text}); wait "
             "for it to finish, or raise MEMVAULT_LOCK_TIMEOUT (seconds)"
         )
+    if state == "42P01":
+        # Every table memvault names is a vault's: one missing mid-run means the vault was
+        # shredded (or its tables dropped) since this process opened it.
+        return NotAVault(
+            f"no vault in {where} any more (its tables are gone: shredded or dropped "
+            "meanwhile); create one with `memvault init`, or point --db / MEMVAULT_DB at an "
+            "existing vault"
+        )
     if state == "42501":
         return OperationFailed(
             f"the PostgreSQL user of {where} lacks a privilege ({text}); grant it, or use "
@@ -97,6 +107,12 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
         return OperationFailed(f"{GUARD_MESSAGE}; nothing was stored")
     if state in ("53300", "57P03"):
         return VaultBusy(f"the PostgreSQL server of {where} is not accepting sessions ({text})")
+    if state in LOST or type(exc).__name__ == "ConnectionDoesNotExistError":
+        return OperationFailed(
+            f"lost the connection to the PostgreSQL server of {where} mid-command ({text}); "
+            "what was committed stays; run the command again (a `memvault rotate` or "
+            "`memvault shred` cut off resumes where it stopped)"
+        )
     if state is not None:
         return OperationFailed(f"PostgreSQL error on {where}: {text} (SQLSTATE {state})")
     if isinstance(exc, OSError | TimeoutError):
@@ -108,6 +124,16 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
     if isinstance(exc, ValueError):  # asyncpg's own reading of the URL (a bad port...)
         return BadInput(f"{where} is not a URL memvault can use; nothing was changed")
     return OperationFailed(f"PostgreSQL connection to {where} failed ({type(exc).__name__})")
+
+
+def translate_after(exc: BaseException, loc: PgLocation, done: str) -> BaseException:
+    """`translate` for a failure after a step that cannot be undone (the keys destroyed,
+    the switch to a new key): its "nothing was changed" would be false, so the message
+    says what is done and how to finish instead. Not a driver error: `exc` itself."""
+    if not is_driver_error(exc):
+        return exc
+    err = translate(exc, loc)
+    return type(err)(f"{err.message.removesuffix('; nothing was changed')}; {done}")
 
 
 def is_driver_error(exc: BaseException) -> bool:

@@ -159,6 +159,7 @@ def verify(url: str, keystore: KeyStore | None = None) -> PgVerifyReport:
 
     async def exists(conn: Any) -> None:
         if await conn.fetchval("SELECT to_regclass('memvault_meta')") is None:
+            await vault.refuse_unusable_schema(conn)
             raise vault.no_vault(await pgschema.current_schema(conn))
 
     vault.run(exists)

@@ -37,6 +37,7 @@ from .files import Progress
 from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, ROTATING_FROM, entry_name
 from .keys import require_key
 from .lifecycle import refuse_revoked
+from .pgconn import translate_after
 from .pglock import admin_lock
 from .pgschema import audit, current_schema, record_key
 from .results import Report
@@ -68,9 +69,17 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
         assert schema is not None
         async with admin_lock(conn, schema, vault.path):
             old, new = await _start_or_resume(vault, conn)
-            counts = await _batches(vault, conn, old, new, progress, batch)
-            # The old key is retired only when no row under it remains, wherever it is.
-            counts["stragglers"] = await _stragglers(conn, old, new, batch)
+            try:
+                counts = await _batches(vault, conn, old, new, progress, batch)
+                # The old key is retired only when no row under it remains, wherever it is.
+                counts["stragglers"] = await _stragglers(conn, old, new, batch)
+            except Exception as exc:
+                raise translate_after(
+                    exc,
+                    vault.loc,
+                    f"the vault already switched to key {new.kid} (both keys read meanwhile); "
+                    "fix that, then run `memvault rotate` again to finish",
+                ) from None
             async with conn.transaction():
                 await conn.execute(
                     "DELETE FROM memvault_meta WHERE key = ANY($1)", [FROM, PROGRESS]
@@ -215,7 +224,9 @@ def kid_of(message_data: str) -> str | None:
 async def _stragglers(conn: Any, old: crypto.Sealer, new: crypto.Sealer, batch: int) -> int:
     """Re-encrypt the rows still under the old key that the ordered batches went past
     (a write committed under it behind their progress): none, when writers behave."""
-    marker = f'"kid": "{old.kid}"'
+    # The kid's text alone, not `"kid": "..."`: the guard lets any JSON layout of an
+    # envelope in (compact, keys in another order), and each candidate is checked below.
+    marker = old.kid
     moved, last = 0, 0
     while True:
         async with conn.transaction():
@@ -233,7 +244,7 @@ async def _stragglers(conn: Any, old: crypto.Sealer, new: crypto.Sealer, batch: 
             updates = []
             for row_id, sid, data in rows:
                 if kid_of(data) != old.kid:
-                    continue  # the marker inside some other text: not an envelope under it
+                    continue  # the kid inside some other text: not an envelope under it
                 stamped = crypto.rotate_row_stamped(old, new, sid, data)
                 if stamped is not None:  # else unreadable: kept, as the batches keep it
                     updates.append((stamped[0], row_id))

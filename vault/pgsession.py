@@ -76,9 +76,10 @@ class PgVaultSession(VaultSession):
             poolclass=NullPool,
             connect_args={"server_settings": settings, "timeout": CONNECT_TIMEOUT},
         )
-        # Every operation connects afresh (NullPool): that connection first reads the TTL,
-        # so a `memvault ttl` run on any host applies at this session's next read, as a
-        # SQLite session sees it through the file's data_version.
+        # Every operation connects afresh (NullPool): that connection first reads the TTL
+        # and the kid, so a `memvault ttl`, `rotate` or `revoke` run on any host applies at
+        # this session's next read, as a SQLite session sees it through data_version.
+        self._meta_kid: str | None = None
         event.listen(engine.sync_engine, "connect", self._read_ttl)
         underlying = VaultSQLAlchemySession(
             session_id, engine=engine, create_tables=False, session_settings=session_settings
@@ -95,16 +96,19 @@ class PgVaultSession(VaultSession):
     def _read_ttl(self, dbapi_connection: Any, _record: Any) -> None:
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute("SELECT value FROM memvault_meta WHERE key = 'ttl_seconds'")
-            row = cursor.fetchone()
+            cursor.execute(
+                "SELECT key, value FROM memvault_meta WHERE key IN ('ttl_seconds', 'kid')"
+            )
+            meta = dict(cursor.fetchall())
         except Exception:
             # No vault there any more: the operation itself reports it, translated.
             dbapi_connection.rollback()
             return
         finally:
             cursor.close()
-        if row is not None:
-            self.ttl = parse_ttl({"ttl_seconds": row[0]}, self._db_path)  # type: ignore[assignment]
+        if "ttl_seconds" in meta:
+            self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
+        self._meta_kid = meta.get("kid")
 
     def _unwrap(self, item: Any) -> Any:
         # As VaultSession's (reload the key when the vault moved on), and while an online
@@ -135,6 +139,11 @@ class PgVaultSession(VaultSession):
                 items = await EncryptedSession.get_items(self, limit, wrapper=wrapper)
             except (DBAPIError, OSError, TimeoutError) as exc:
                 raise self._translate(exc) from None
+            if self._meta_kid not in (None, self._kid):
+                # The vault moved on (a rotation, or a revoke on any host: KeyRevoked,
+                # exit 4, as a file session says): the key held in memory must not go on
+                # reading a history that was cut off from every key.
+                await asyncio.to_thread(self._refresh)
             if self._kid == kid:
                 return items
 

@@ -18,7 +18,10 @@ from .errors import BadInput
 DRIVER = "postgresql+asyncpg"
 # postgres:// and postgresql:// are what other tools print; memvault always talks asyncpg.
 _URL = re.compile(r"^(postgres|postgresql)(\+[A-Za-z0-9_]+)?://", re.IGNORECASE)
-_SECRET_PARAM = re.compile(r"([?&](?:password|passfile|sslpassword)=)[^&#]*", re.IGNORECASE)
+# Every `key=value` of a query; a key is compared once percent-decoded, as the driver reads it
+# (`pass%77ord=` is `password=` to it).
+_QUERY_PARAM = re.compile(r"([?&])([^=&#]*)=([^&#]*)")
+_SECRET_KEYS = frozenset({"password", "passfile", "sslpassword"})
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 INSTALL_HINT = "PostgreSQL support needs `pip install memvault[postgres]`"
 # The commands (and library calls) a PostgreSQL vault supports so far.
@@ -52,7 +55,27 @@ def redact_url(url: str) -> str:
             if ":" in userinfo:
                 userinfo = userinfo.split(":", 1)[0] + ":***"
             url = f"{head}://{userinfo}@{rest[at + 1 :]}"
-    return _SECRET_PARAM.sub(r"\1***", url)
+    return _QUERY_PARAM.sub(_hide_secret_param, url)
+
+
+def _hide_secret_param(m: re.Match[str]) -> str:
+    key = urllib.parse.unquote_plus(m.group(2)).strip().lower()
+    return f"{m.group(1)}{m.group(2)}=***" if key in _SECRET_KEYS else m.group(0)
+
+
+def _bad_port(hosts: str, ports: str | None) -> bool:
+    """Whether a port in `host:port[,host:port]` (or `?port=`) is not a number 1-65535, or
+    an IPv6 address lacks its `]`: the driver would fail on it with a bare ValueError."""
+    found = [] if ports is None else ports.split(",")
+    for spec in hosts.split(",") if hosts else []:
+        if spec.startswith("["):
+            close = spec.find("]")
+            if close < 0 or (spec[close + 1 :] and not spec[close + 1 :].startswith(":")):
+                return True
+            spec = spec[close + 1 :]
+        if ":" in spec:
+            found.append(spec.rpartition(":")[2])
+    return any(not (p.isascii() and p.isdigit() and 1 <= int(p) <= 65535) for p in found)
 
 
 @dataclass(frozen=True)
@@ -77,7 +100,9 @@ class PgLocation:
         """Per-connection settings: the vault's schema first, timestamps in UTC."""
         out = {"timezone": "UTC"}
         if self.schema:
-            out["search_path"] = self.schema
+            # Quoted: unquoted, the server folds `Alice` to `alice`, and init then found
+            # no schema to create the vault in (it had created "Alice").
+            out["search_path"] = '"' + self.schema + '"'
         return out
 
 
@@ -103,6 +128,13 @@ def parse(url: str) -> PgLocation:
             "in the user name and password (/ is %2F, ? is %3F, # is %23, @ is %40); "
             "nothing was changed"
         )
+    if rest[:authority_end].count("@") > 1:
+        # The driver splits at the first '@': the rest of the password would be taken for
+        # the host name, looked up in DNS and shown in errors as the server.
+        raise BadInput(
+            f"{shown}: the user name or password holds an unencoded '@'; percent-encode it "
+            "as %40 (and / as %2F, ? as %3F, # as %23); nothing was changed"
+        )
     base, _, query = rest.partition("?")
     query, _, _fragment = query.partition("#")
     params = urllib.parse.parse_qsl(query, keep_blank_values=True)
@@ -114,10 +146,17 @@ def parse(url: str) -> PgLocation:
             f"{shown}: the schema name {schema[:70]!r} is not a plain SQL name (letters, "
             "digits and _, not starting with a digit, at most 63); nothing was changed"
         )
-    if not base.split("@")[-1].split("/")[0] and "host" not in dict(others):
+    hosts = base.split("@")[-1].split("/")[0]
+    if not hosts and "host" not in dict(others):
         raise BadInput(
             f"{shown} names no server; write postgresql+asyncpg://user:password@host:port/"
             "dbname; nothing was changed"
+        )
+    if _bad_port(hosts, dict(others).get("port")):
+        raise BadInput(
+            f"{shown}: the port must be a number from 1 to 65535 (an IPv6 host goes in "
+            "brackets: [::1]:5432); write postgresql+asyncpg://user:password@host:port/dbname; "
+            "nothing was changed"
         )
     tail = ("?" + urllib.parse.urlencode(others)) if others else ""
     return PgLocation(
