@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,3 +322,24 @@ def token_timestamp(message_data: str) -> int | None:
     except (binascii.Error, ValueError):
         return None
     return int.from_bytes(raw[1:9], "big") if len(raw) >= 9 else None
+
+
+def triage(
+    rows: Iterable[tuple[int, str, str]],
+    sealer_of: Callable[[str], Sealer],
+    ttl: int | None,
+    now: int,
+) -> tuple[list[tuple[int]], int, int]:
+    """Purge's sort of (id, session_id, message_data) rows: ([(id,) of each item past the
+    TTL], items kept, unreadable items), each judged by `sealer_of(message_data)`."""
+    doomed: list[tuple[int]] = []
+    kept = unreadable = 0
+    for row_id, sid, data in rows:
+        state = sealer_of(data).state(sid, data, ttl, now)
+        if state is ItemState.EXPIRED:
+            doomed.append((row_id,))
+        elif state is ItemState.UNREADABLE:
+            unreadable += 1
+        else:
+            kept += 1
+    return doomed, kept, unreadable

@@ -33,10 +33,11 @@ from .keyjournal import CURRENT, DESTROYED, PENDING, entry_name
 from .lifecycle import KeyVersionInfo, refuse_revoked
 from .pgconn import translate_after
 from .pglock import admin_lock
-from .pgrotate import FROM, PROGRESS, kid_of
+from .pgrotate import FROM, PROGRESS, ROW_BATCH, kid_of
 from .pgschema import _q, audit, current_schema, record_key
 from .results import Popped, Report
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .shred import SHRED_FIELDS
 
 if TYPE_CHECKING:
     from .pg import PgVault
@@ -62,16 +63,6 @@ VAULT_TABLES = (
     "memvault_keys",
     "memvault_migrations",
     "memvault_meta",
-)
-SHRED_FIELDS = (
-    "vault_id",
-    "kid",
-    "sessions",
-    "items",
-    "key_destroyed",
-    "destroyed_kids",
-    "other_copies_kids",
-    "foreign_kid",
 )
 
 
@@ -147,24 +138,13 @@ def purge(
         last = 0
         while True:
             async with conn.transaction():
-                rows = await conn.fetch(
-                    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
-                    "WHERE id > $1 ORDER BY id LIMIT $2 FOR UPDATE",
-                    last,
-                    batch,
-                )
+                rows = await conn.fetch(ROW_BATCH, last, batch)
                 if not rows:
                     break
-                doomed = []
-                for row_id, sid, data in rows:
-                    sealer = keys.get(kid_of(data) or "", default)
-                    state = sealer.state(sid, data, ttl, current)
-                    if state is crypto.ItemState.EXPIRED:
-                        doomed.append((row_id,))
-                    elif state is crypto.ItemState.UNREADABLE:
-                        unreadable += 1
-                    else:
-                        kept += 1
+                doomed, fresh, bad = crypto.triage(
+                    rows, lambda data: keys.get(kid_of(data) or "", default), ttl, current
+                )
+                kept, unreadable = kept + fresh, unreadable + bad
                 await conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", doomed)
                 deleted += len(doomed)
                 last = rows[-1][0]

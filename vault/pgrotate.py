@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from .pg import PgVault
 
 FROM, PROGRESS = ROTATING_FROM, "rotation_progress"
+# The next batch of rows after id $1, locked until its transaction ends (rotation, purge).
+ROW_BATCH = (
+    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+    "WHERE id > $1 ORDER BY id LIMIT $2 FOR UPDATE"
+)
 DEFAULT_BATCH = 500
 
 
@@ -176,12 +181,7 @@ async def _batches(
                     "SELECT value FROM memvault_meta WHERE key = $1 FOR UPDATE", PROGRESS
                 )
             )
-            rows = await conn.fetch(
-                f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
-                "WHERE id > $1 ORDER BY id LIMIT $2 FOR UPDATE",
-                last,
-                batch,
-            )
+            rows = await conn.fetch(ROW_BATCH, last, batch)
             if not rows:
                 return {
                     "sessions": len(sessions),

@@ -111,18 +111,22 @@ def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict
         )
 
 
+# What a shred records before it destroys anything, so that a run cut off is finished
+# by the next with the same report (a PostgreSQL shred records the same).
+SHRED_FIELDS = (
+    "vault_id",
+    "kid",
+    "sessions",
+    "items",
+    "key_destroyed",
+    "destroyed_kids",
+    "other_copies_kids",
+    "foreign_kid",
+)
+
+
 def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
     """Under the exclusive lock: counts, marker, key, then every row. Raises _Damaged."""
-    fields = (
-        "vault_id",
-        "kid",
-        "sessions",
-        "items",
-        "key_destroyed",
-        "destroyed_kids",
-        "other_copies_kids",
-        "foreign_kid",
-    )
 
     def count(conn: sqlite3.Connection) -> None:
         report["sessions"] = conn.execute(
@@ -171,7 +175,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                     report["destroyed_kids"] = report["other_copies_kids"] = None
                     # Recorded before the key goes, so a run cut off after destroying it
                     # says so. In exclusive locking mode the lock outlives this commit.
-                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
+                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
                     conn.execute("COMMIT")
                     conn.execute("BEGIN EXCLUSIVE")
                     wrote_marker = True
@@ -205,7 +209,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                         outcome["key_destroyed"] = True
                     report.update(outcome)
                     testhooks.failpoint("shred-after-key")
-                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in fields}))
+                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
                 conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
                 conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
                 conn.execute("DELETE FROM memvault_audit")

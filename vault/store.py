@@ -518,15 +518,8 @@ class Vault(KeyLifecycle):
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
             current = int(time.time()) if now is None else now
             for batch in row_batches(conn):
-                doomed = []
-                for row_id, sid, data in batch:
-                    state = sealer.state(sid, data, ttl, current)
-                    if state is crypto.ItemState.EXPIRED:
-                        doomed.append((row_id,))
-                    elif state is crypto.ItemState.UNREADABLE:
-                        unreadable += 1
-                    else:
-                        kept += 1
+                doomed, fresh, bad = crypto.triage(batch, lambda _data: sealer, ttl, current)
+                kept, unreadable = kept + fresh, unreadable + bad
                 conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
                 deleted += len(doomed)
                 if progress:
