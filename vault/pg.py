@@ -22,9 +22,10 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
-from . import crypto, durations, pgadmin, pgrotate, pgschema
+from . import crypto, durations, pgadmin, pgkept, pgrotate, pgschema, retention
 from .db import parse_ttl
 from .errors import (
     BadInput,
@@ -46,7 +47,7 @@ from .pgbase import Keys, PgVaultBase
 from .pgschema import audit, record_key
 from .pgurl import INSTALL_HINT, parse
 from .results import Cleared, Popped, Report, SessionInfo
-from .schema import DEFAULT_TTL, FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .schema import DEFAULT_TTL, FORMAT, MESSAGES_TABLE, PREVIOUS_FORMAT, SESSIONS_TABLE, utcnow
 from .store import COUNTS_NOTE
 
 T = TypeVar("T")
@@ -78,7 +79,7 @@ class PgVault(PgVaultBase):
 
         async def check(conn: Any) -> bool:
             meta = await vault.read_meta(conn)
-            if meta.get("format") != FORMAT:
+            if meta.get("format") not in (FORMAT, PREVIOUS_FORMAT):
                 raise NotAVault(
                     f"{vault.path} has an unknown memvault format {meta.get('format')!r}; "
                     "upgrade memvault"
@@ -417,6 +418,22 @@ class PgVault(PgVaultBase):
 
     def key_versions(self) -> list[KeyVersionInfo]:
         return pgadmin.key_versions(self)
+
+    # -- retained versions and the backups' records (vault.pgkept) --------
+    def backups(self) -> list[dict[str, Any]]:
+        return pgkept.backups(self)
+
+    def record_backup(self, target: Path) -> retention.BackupRecord:
+        return pgkept.record_backup(self, target)
+
+    def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None:
+        return pgkept.settle_backup(self, rec, kid)
+
+    def drop_backup(self, rec: retention.BackupRecord) -> None:
+        pgkept.drop_backup(self, rec)
+
+    def forget(self, kid: str) -> dict[str, Any]:
+        return pgkept.forget(self, kid)
 
     def record(self, event: str, kid: str | None, **details: Any) -> None:
         """Append one audit event in a transaction of its own."""
