@@ -62,7 +62,7 @@ PG_SCRUB_NOTE = (
 PG_ROTATE_NOTE = (
     "not applicable on PostgreSQL: the old ciphertext stays in dead row versions until "
     "PostgreSQL reuses the space (VACUUM); it is under the old key, whose keyring entry "
-    "is destroyed"
+    "is destroyed unless a recorded backup retains it (`memvault key list`)"
 )
 
 
