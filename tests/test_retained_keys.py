@@ -269,3 +269,19 @@ def test_init_tells_the_user_to_make_a_recovery_kit(vault_db: Path) -> None:
     assert r2.code == 0 and r2.json()["next"] == "memvault key export FILE", r2
     for db in (vault_db, vault_db.with_name("j.db")):
         assert run_cli("--db", str(db), "shred", "--yes").code == 0
+
+
+def test_a_backup_never_carries_the_live_vaults_pending_key_version(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    """Opening the copy would tidy that version away: its entry, which the live vault's
+    rotation stores and then uses."""
+    add_items(vault_db, "S", [user("x")])
+    r = run_cli("--db", str(vault_db), "rotate", env={"MEMVAULT_FAILPOINT": "after-record-pending"})
+    assert r.code < 0, r  # killed with a pending version recorded
+    assert "pending" in journal(vault_db).values()
+    b = tmp_path / "b.db"
+    r = run_cli("--db", str(vault_db), "backup", str(b))
+    assert r.code == 0, r
+    assert "pending" not in journal(b).values()
+    assert run_cli("--db", str(b), "verify").code == 0

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import files, paths, retention, testhooks
+from .crypto import Sealer
 from .db import connect, is_busy, is_damage, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
-from .keyjournal import DESTROYED
+from .keyjournal import DESTROYED, PENDING
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE
 from .store import Vault
 
@@ -82,6 +83,31 @@ def check_destination(dest: str | os.PathLike[str]) -> Path:
     return target
 
 
+class Checked(Protocol):
+    """What `key_check` asks of a vault (a file vault or a PostgreSQL one)."""
+
+    def sealer(self, refresh: bool = False) -> Sealer: ...
+    def backups(self) -> list[dict[str, Any]]: ...
+
+
+def key_check(vault: Checked, rec: retention.BackupRecord, kid: str) -> str | None:
+    """Why this keyring cannot open the copy, or None when it can: the current key, or a
+    rotation committed during the backup retained the copy's key for it."""
+    try:
+        key_kid = vault.sealer(refresh=True).kid
+    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
+        return exc.message
+    if key_kid == kid:
+        return None
+    mine = [b for b in vault.backups() if b["backup_id"] == rec.backup_id]
+    if mine and mine[0]["readable"]:
+        return None
+    return (
+        f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
+        f"open the copy (key {kid}); run `memvault backup` again"
+    )
+
+
 def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
     """How to bring the backup back on another machine: the copy plus a recovery kit."""
     kit = (
@@ -122,17 +148,7 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
     # worth having (a recovery kit may hold the key). Checked after the copy, against
     # the copy's kid, so a rotation committed during the backup is noticed (and a
     # rotation cut off before its key was promoted is finished by `sealer`).
-    key_problem: str | None = None
-    try:
-        key_kid = vault.sealer(refresh=True).kid
-    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
-        key_problem = exc.message
-    else:
-        if key_kid != kid:
-            key_problem = (
-                f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
-                f"open the copy (key {kid}); run `memvault backup` again"
-            )
+    key_problem = key_check(vault, rec, kid)
     audited = True
     try:
         vault.record("backup", kid, items=items, sessions=sessions, to=rec.path)
@@ -279,6 +295,10 @@ def _settle(target: Path, backup_id: str) -> tuple[str, str, int, int]:
             conn.execute(
                 "UPDATE memvault_meta SET value = '0' WHERE key = 'scrub_pending' AND value != '0'"
             )
+            # A pending version is the live vault's rotation in flight: the copy's tidy-up
+            # on open would delete its entry under that rotation's feet (pgbackup never
+            # copies one either).
+            conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
             if backup_id:  # the copy names itself, as the live vault's record names it
                 conn.execute(
                     "INSERT OR REPLACE INTO memvault_meta (key, value) VALUES (?, ?)",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import backup as file_backup
 from . import pgrotate, pgschema
 from .db import connect, sqlite_errors
-from .errors import KeyProblem, KeyRevoked, OperationFailed, VaultBusy
+from .errors import KeyRevoked, OperationFailed, VaultBusy
 from .keyjournal import CURRENT, DESTROYED
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
 from .verify import BATCH
@@ -47,17 +47,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
             target, lambda: _copy(vault, target), rec.backup_id, keep
         ),
     )
-    key_problem: str | None = None
-    try:
-        key_kid = vault.sealer(refresh=True).kid
-    except KeyProblem as exc:
-        key_problem = exc.message
-    else:
-        if key_kid != kid:
-            key_problem = (
-                f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
-                f"open the copy (key {kid}); run `memvault backup` again"
-            )
+    key_problem = file_backup.key_check(vault, rec, kid)
     audited = True
     try:
         vault.run(
