@@ -22,10 +22,9 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
-from . import crypto, durations, pgadmin, pgkept, pgrotate, pgschema, retention
+from . import crypto, durations, pgadmin, pgkept, pgrotate, pgschema
 from .db import parse_ttl
 from .errors import (
     BadInput,
@@ -66,7 +65,7 @@ PG_ROTATE_NOTE = (
 )
 
 
-class PgVault(PgVaultBase):
+class PgVault(pgkept.PgKeptVersions, PgVaultBase):
     """A vault in a PostgreSQL database or schema. Open with `PgVault.open` / `PgVault.init`."""
 
     backend = "postgresql"
@@ -418,22 +417,6 @@ class PgVault(PgVaultBase):
 
     def key_versions(self) -> list[KeyVersionInfo]:
         return pgadmin.key_versions(self)
-
-    # -- retained versions and the backups' records (vault.pgkept) --------
-    def backups(self) -> list[dict[str, Any]]:
-        return pgkept.backups(self)
-
-    def record_backup(self, target: Path) -> retention.BackupRecord:
-        return pgkept.record_backup(self, target)
-
-    def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None:
-        return pgkept.settle_backup(self, rec, kid)
-
-    def drop_backup(self, rec: retention.BackupRecord) -> None:
-        pgkept.drop_backup(self, rec)
-
-    def forget(self, kid: str) -> dict[str, Any]:
-        return pgkept.forget(self, kid)
 
     def record(self, event: str, kid: str | None, **details: Any) -> None:
         """Append one audit event in a transaction of its own."""

@@ -7,7 +7,7 @@ backup uses is kept) is vault.retention's, the same for both engines.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import retention, testhooks
 from .errors import BadInput
@@ -131,3 +131,25 @@ async def settle_old(conn: Any, vault_id: str, kid: str, delete: Any) -> str:
     async with conn.transaction():
         await record_key(conn, kid, DESTROYED)
     return DESTROYED
+
+
+class PgKeptVersions:
+    """A base of `PgVault`: what vault.backup and `key forget` ask of a vault."""
+
+    def _pg(self) -> PgVault:
+        return cast("PgVault", self)
+
+    def backups(self) -> list[dict[str, Any]]:
+        return backups(self._pg())
+
+    def record_backup(self, target: Path) -> retention.BackupRecord:
+        return record_backup(self._pg(), target)
+
+    def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None:
+        return settle_backup(self._pg(), rec, kid)
+
+    def drop_backup(self, rec: retention.BackupRecord) -> None:
+        drop_backup(self._pg(), rec)
+
+    def forget(self, kid: str) -> dict[str, Any]:
+        return forget(self._pg(), kid)
