@@ -80,3 +80,28 @@ def test_revoke_of_a_url_destroys_retained_versions_too(
     assert r.code == 0, r
     assert keyring_entries(pg_vault.vault_id) == {}
     assert set(journal(pg_url).values()) == {"destroyed"}
+
+
+def test_a_url_rotation_killed_after_its_end_keeps_the_backups_key_and_the_next_finishes(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    """Killed between the rotation's end and its key decision: the old version is still
+    retired, its entry there; the next rotation judges it as the end would: retained."""
+    write_history(pg_vault, pg_url)
+    b = tmp_path / "copy.db"
+    assert run_cli("--db", pg_url, "backup", str(b)).code == 0
+    old_kid = journal_current(pg_url)
+    r = run_cli("--db", pg_url, "rotate", env={"MEMVAULT_FAILPOINT": "pg-rotate-after-finish"})
+    assert r.code < 0, r  # killed at the failpoint
+    assert journal(pg_url)[old_kid] == "retired"
+    assert run_cli("--db", str(b), "verify").code == 0
+    r = run_cli("--db", pg_url, "--json", "rotate")
+    assert r.code == 0, r
+    assert journal(pg_url)[old_kid] == "retained"
+    assert entry_name(pg_vault.vault_id, old_kid) in keyring_entries(pg_vault.vault_id)
+    assert run_cli("--db", str(b), "verify").code == 0
+    assert run_cli("--db", pg_url, "show", "carnet").code == 0
+
+
+def journal_current(url: str) -> str:
+    return str(sql(url, "SELECT value FROM memvault_meta WHERE key = 'kid'")[0]["value"])
