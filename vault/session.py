@@ -46,6 +46,7 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import threading
@@ -58,6 +59,7 @@ from agents import SessionSettings, SQLiteSession
 from agents.extensions.memory import EncryptedSession
 from cryptography.fernet import InvalidToken
 
+from . import crypto
 from .db import configure, is_busy, lock_timeout, parse_ttl, translate
 from .errors import NotAVault, UnknownSession
 from .schema import GUARD_MESSAGE
@@ -70,6 +72,26 @@ if TYPE_CHECKING:
 
 # Stands for "never expires" where the SDK needs a number of seconds.
 NEVER = 1 << 62
+
+
+def _undecodable_rows_as_none(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The SDK's row decoding (get_items, pop, compaction) skips a row whose `json.loads`
+    raises JSONDecodeError or TypeError, but not RecursionError: a row nested deeper than
+    the parser's stack (`[` x 5000, storable by anyone who can write the file) would end
+    the agent's read. Such a row reaches the SDK as None, which it skips as corrupt."""
+    if (
+        len(row) == 1
+        and isinstance(row[0], str)
+        and cursor.description[0][0] == "message_data"
+        and crypto.split_envelope(row[0]) is None  # what `seal` writes: the fast, common case
+    ):
+        try:
+            json.loads(row[0])
+        except RecursionError:
+            return (None,)
+        except ValueError:
+            pass  # the SDK skips it itself
+    return row
 
 
 class VaultSQLiteSession(SQLiteSession):
@@ -94,6 +116,7 @@ class VaultSQLiteSession(SQLiteSession):
     def _configure_connection(conn: sqlite3.Connection) -> None:
         # The SDK's 5 s busy timeout is shorter than a large rotation: wait instead of failing.
         configure(conn, lock_timeout())
+        conn.row_factory = _undecodable_rows_as_none
         SQLiteSession._configure_connection(conn)
 
     def _stat_identity(self) -> tuple[int, int]:
@@ -226,7 +249,16 @@ class VaultSession(EncryptedSession):
             and self._file_kid() != self._kid
         ):
             self._refresh()
-        return super()._unwrap(item)
+        return self._sdk_unwrap(item)
+
+    def _sdk_unwrap(self, item: Any) -> Any:
+        try:
+            return super()._unwrap(item)
+        except (ValueError, RecursionError):
+            # Authenticated, yet no JSON item (not UTF-8, not JSON, nested deeper than the
+            # parser's stack): only a holder of the key could seal it. Skipped as the SDK
+            # skips a token it cannot open, rather than ending the agent's read.
+            return None
 
     async def get_items(self, limit: int | None = None, *, wrapper: Any = None) -> Any:
         # One read is one SQLite snapshot. If the key changed while unwrapping it (another
