@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     "ttl",
     callback=duration,
     metavar="DURATION",
-    help="How long items stay readable: 90s, 15m, 12h, 30d, 2w, seconds, or never (default 30d).",
+    help="How long items stay readable: 90s, 15m, 12h, 30d, 2w or never (default 30d).",
 )
 @common
 def init(ttl: Any) -> None:
@@ -295,7 +295,7 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
 @click.argument("value", required=False, callback=duration, metavar="[DURATION]")
 @common
 def ttl(value: Any) -> None:
-    """Print the vault's TTL, or set it (90s, 15m, 12h, 30d, 2w, seconds, never).
+    """Print the vault's TTL, or set it (90s, 15m, 12h, 30d, 2w or never).
 
     Items older than the TTL are skipped on read and removed by `purge`.
 
