@@ -42,3 +42,19 @@ def test_init_refuses_a_ttl_without_a_unit_and_creates_nothing(vault_db: Path) -
     assert not vault_db.exists() and not vault_db.parent.exists()
     assert run_cli("init", "--ttl", "60s").code == 0
     assert run_cli("--json", "ttl").json()["ttl_seconds"] == 60
+
+
+# -- status -----------------------------------------------------------------------
+
+STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+
+
+def test_status_says_never_until_the_first_rotation(vault_db: Path) -> None:
+    assert run_cli("init").code == 0
+    assert run_cli("--json", "status").json()["rotated_at"] is None
+    assert "rotated    never" in run_cli("status").out.splitlines()
+    # Often within init's second: the audit trail, not the time, tells the two apart.
+    assert run_cli("rotate").code == 0
+    rotated = run_cli("--json", "status").json()["rotated_at"]
+    assert rotated is not None and STAMP.match(rotated), rotated
+    assert f"rotated    {rotated}" in run_cli("status").out.splitlines()

@@ -110,7 +110,7 @@ def status() -> None:
         counts += f", {st['expired_unverified']} expired by their timestamps"
         click.echo(f"contents   {counts}")
         click.echo("           (unverified counts: `memvault verify` authenticates every item)")
-        click.echo(f"rotated    {st['rotated_at']}")
+        click.echo(f"rotated    {st['rotated_at'] or 'never'}")
         if st["scrub_pending"]:
             click.echo("scrub      pending (old bytes may remain until the next command)")
         if st.get("rotation"):
