@@ -58,3 +58,76 @@ def test_status_says_never_until_the_first_rotation(vault_db: Path) -> None:
     rotated = run_cli("--json", "status").json()["rotated_at"]
     assert rotated is not None and STAMP.match(rotated), rotated
     assert f"rotated    {rotated}" in run_cli("status").out.splitlines()
+
+
+# -- pop --------------------------------------------------------------------------
+
+
+def test_pop_asks_before_it_empties_a_session(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("one"), assistant("two")])
+    before = rows(vault_db, "s")
+    r = run_cli("pop", "s", "-n", "100")  # no terminal, no --yes: the question gets no answer
+    assert r.code == 1 and r.err.startswith("Remove all 2 items of session 's', emptying it?")
+    assert r.err.splitlines()[-1].startswith("memvault: error: aborted; nothing was changed"), r
+    assert rows(vault_db, "s") == before
+    r = run_cli("pop", "s", "-n", "100", input="y\n")
+    assert r.code == 0, r
+    assert r.out == "removed 2 items from s (asked for 100: it had no more)\n", r
+    assert rows(vault_db, "s") == []
+
+
+def test_pop_with_yes_empties_without_asking_and_says_how_many(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("one"), assistant("two")])
+    r = run_cli("--json", "pop", "s", "-n", "2", "--yes")
+    assert r.code == 0, r
+    doc = r.json()
+    assert doc["popped"] == [assistant("two"), user("one")] and doc["requested"] == 2
+    assert rows(vault_db, "s") == []
+
+
+def test_pop_short_of_the_whole_session_does_not_ask(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("one"), assistant("two"), user("three")])
+    r = run_cli("pop", "s", "-n", "2")
+    assert r.code == 0 and r.out == "removed 2 items from s\n" and r.err == "", r
+    assert len(rows(vault_db, "s")) == 1
+
+
+# -- show -------------------------------------------------------------------------
+
+
+def test_show_numbers_items_as_export_and_search_do(vault: Any, vault_db: Path) -> None:
+    now = int(time.time())
+    insert_sealed(vault_db, "s", [user("old one")], now - 7200)  # the vault's TTL is 1h
+    add_items(vault_db, "s", [user("alpha"), assistant("beta"), user("gamma")])
+    r = run_cli("show", "s")
+    assert r.code == 0, r
+    assert r.out.splitlines()[:3] == ["#2 user: alpha", "#3 assistant: beta", "#4 user: gamma"]
+    found = run_cli("search", "beta").out.split()[1]
+    assert found == "#3"
+    exported = run_cli("export", "s", "--include-expired", "-o", "-").out.splitlines()
+    assert [line.count('"position": ') for line in exported] == [1, 1, 1, 1]
+    assert '"position": 3' in exported[2] and "beta" in exported[2]
+    assert run_cli("show", "s", "--limit", "2").out.splitlines() == [
+        "#3 assistant: beta",
+        "#4 user: gamma",
+    ]
+    assert run_cli("--json", "show", "s", "--limit", "2").json()["positions"] == [3, 4]
+
+
+def test_show_include_expired_shows_and_marks_expired_items(vault: Any, vault_db: Path) -> None:
+    now = int(time.time())
+    insert_sealed(vault_db, "s", [user("old one")], now - 7200)
+    add_items(vault_db, "s", [user("fresh")])
+    hidden = run_cli("show", "s").out.splitlines()
+    assert hidden[0] == "#2 user: fresh" and "--include-expired shows them" in hidden[1], hidden
+    r = run_cli("show", "s", "--include-expired")
+    assert r.code == 0 and r.out.splitlines() == ["#1 (expired) user: old one", "#2 user: fresh"]
+    doc = run_cli("--json", "show", "s", "--include-expired").json()
+    assert doc["items"] == [user("old one"), user("fresh")] and doc["expired"] == 1
+
+
+def test_show_says_when_a_session_is_empty(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s", [user("one")])
+    assert run_cli("pop", "s", "--yes").code == 0
+    r = run_cli("show", "s")
+    assert r.code == 0 and r.out == "session s is empty\n", r

@@ -49,6 +49,28 @@ class State:
 MAX_COUNT = 2**63 - 1
 
 
+class Count(click.IntRange):
+    """A count from 1 to MAX_COUNT. `--help` shows `x>=1`: the 64-bit ceiling is named
+    only to someone who passes it."""
+
+    name = "count"
+
+    def __init__(self) -> None:
+        super().__init__(min=1, max=MAX_COUNT)
+
+    def _describe_range(self) -> str:
+        return "x>=1"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        n = click.INT.convert(value, param, ctx)
+        if n > MAX_COUNT:
+            self.fail(f"{n} is not in the range 1<=x<={MAX_COUNT} (the largest count)", param, ctx)
+        return super().convert(n, param, ctx)
+
+
+COUNT = Count()
+
+
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """`1 item`, `2 items`: every count in a human message goes through here."""
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
