@@ -131,3 +131,94 @@ def test_show_says_when_a_session_is_empty(vault: Any, vault_db: Path) -> None:
     assert run_cli("pop", "s", "--yes").code == 0
     r = run_cli("show", "s")
     assert r.code == 0 and r.out == "session s is empty\n", r
+
+
+# -- help texts -------------------------------------------------------------------
+
+
+def helps() -> dict[str, str]:
+    """Every command's --help, rendered by Click in this process (test_cli runs each one
+    as a subprocess)."""
+    import click
+
+    from tests.test_cli import COMMANDS
+    from vault.cli import cli
+
+    out = {}
+    for command in ["", *COMMANDS]:
+        args = command.split()
+        with cli.make_context("memvault", [*args, "--help"], resilient_parsing=True) as ctx:
+            sub: click.Context = ctx
+            for name in args:
+                group = sub.command
+                assert isinstance(group, click.Group)
+                cmd = group.get_command(sub, name)
+                assert cmd is not None
+                sub = click.Context(cmd, parent=sub, info_name=name)
+            out[command or "memvault"] = sub.get_help()
+    assert len(out) > 20
+    return out
+
+
+def test_every_db_option_takes_a_file_or_a_postgresql_url() -> None:
+    for command, text in helps().items():
+        assert "Vault file" not in text, command
+        if "--db PATH" in text:
+            assert "a file, or a postgresql:// URL" in " ".join(text.split()), command
+    top = " ".join(helps()["memvault"].split())
+    assert "SQLite file, or a PostgreSQL database" in top, top
+
+
+def test_help_shows_counts_as_a_readable_range() -> None:
+    texts = helps()
+    for command, text in texts.items():
+        assert "9223372036854775807" not in text, command
+    assert "[x>=1]" in texts["show"] and "[default: 1; x>=1]" in texts["pop"]
+    one_line(run_cli("show", "s", "--limit", str(2**63)), 2, "is not in the range")
+
+
+def test_help_leaves_out_the_options_a_command_refuses() -> None:
+    options = {c: text.split("\nOptions:\n", 1)[1] for c, text in helps().items()}
+    for command in ("demo", "completion"):
+        assert "--db" not in options[command] and "--json" not in options[command], command
+    assert "--json" not in options["chat"] and "--db" in options["chat"]
+    assert "--db" in options["status"] and "--json" in options["status"]
+    one_line(run_cli("demo", "--db", "x.db"), 2, "--db does not apply to `demo`")
+
+
+def test_demo_help_names_its_four_checks() -> None:
+    text = " ".join(helps()["demo"].split())
+    for check in ("1. write:", "2. recall:", "a new process", "3. clear:", "4. negative control:"):
+        assert check in text, text
+    assert "guide" not in text
+
+
+def test_every_command_that_can_ask_takes_yes(vault: Any) -> None:
+    import inspect
+
+    import click
+
+    from tests.test_cli import COMMANDS
+    from vault.cli import cli
+
+    asking = []
+    for command in COMMANDS:
+        cmd: Any = cli
+        for name in command.split():
+            cmd = cmd.commands[name]
+        if isinstance(cmd, click.Group):
+            continue
+        source = inspect.getsource(inspect.getmodule(cmd.callback))  # type: ignore[arg-type]
+        body = inspect.getsource(cmd.callback)
+        helpers = re.findall(r"\b(_\w+)\(", body)  # the command's own helpers ask too
+        texts = [body] + [
+            inspect.getsource(getattr(inspect.getmodule(cmd.callback), h))
+            for h in helpers
+            if f"def {h}(" in source
+        ]
+        if any("confirm(" in t for t in texts) or command == "rotate":
+            asking.append(command)
+            assert "yes" in {p.name for p in cmd.params}, command
+    assert {"pop", "clear", "purge", "rotate", "revoke", "shred", "import"} <= set(asking)
+    r = run_cli("--json", "rotate", "--yes")
+    assert r.code == 0 and r.json()["items"] == 0, r

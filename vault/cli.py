@@ -172,7 +172,10 @@ def common(fn: F) -> F:
         type=PATH,
         expose_value=False,
         callback=_remember_db,
-        help="Vault file (default: $MEMVAULT_DB, else the platformdirs data folder).",
+        help=(
+            "The vault: a file, or a postgresql:// URL (default: $MEMVAULT_DB, else "
+            "history.db in the platformdirs data folder)."
+        ),
     )(fn)
     return fn
 
@@ -263,6 +266,13 @@ def duration(_ctx: click.Context | None, _param: click.Parameter | None, value: 
         return ("set", durations.parse_duration(value))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def hide_options(command: click.Command, *names: str) -> None:
+    """Leave the shared options a command refuses out of its --help."""
+    for param in command.params:
+        if param.name in names and isinstance(param, click.Option):
+            param.hidden = True
 
 
 def refuse_option(option: str, command: str, why: str) -> None:
@@ -362,8 +372,9 @@ if NO_ARGS_IS_HELP is click.exceptions.UsageError:  # pragma: no cover (Click 8.
 def cli() -> None:
     """Encrypted-at-rest history for OpenAI Agents SDK sessions.
 
-    The vault is a SQLite file whose items are sealed with Fernet under a random
-    master key kept in the OS keyring, never beside the file.
+    The vault is a SQLite file, or a PostgreSQL database (--db postgresql://...),
+    whose items are sealed with Fernet under a random master key kept in the OS
+    keyring, never beside the data.
 
     \b
     Example:

@@ -77,8 +77,11 @@ def _on_postgres(vault: Any) -> bool:
 
 
 @cli.command()
+# Accepted as on every command that can ask, so that scripts pass it without
+# knowing which ones ask today.
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @common
-def rotate() -> None:
+def rotate(yes: bool) -> None:
     """Replace the key: re-encrypt every item, keep timestamps, scrub old bytes.
 
     Older recovery kits stop working after a rotation: export a new one.
