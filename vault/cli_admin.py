@@ -148,7 +148,9 @@ def revoke(yes: bool) -> None:
         if r["already_revoked"]:
             finished = ""
             if r["key_destroyed"]:
-                finished = f"; destroyed what a cut-off revoke had left (key {_kids(r)})"
+                # A second host's revoke, or one finishing a revoke cut off: either way
+                # what happened is that this keyring still held the key, and now does not.
+                finished = f"; this keyring still held its key: destroyed it ({_kids(r)})"
             click.echo(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
                 f"`memvault shred` removes the {'rows' if _on_postgres(vault) else 'file'}" + hosts
