@@ -222,3 +222,35 @@ def test_every_command_that_can_ask_takes_yes(vault: Any) -> None:
     assert {"pop", "clear", "purge", "rotate", "revoke", "shred", "import"} <= set(asking)
     r = run_cli("--json", "rotate", "--yes")
     assert r.code == 0 and r.json()["items"] == 0, r
+
+
+# -- scripts ----------------------------------------------------------------------
+
+
+@pytest.mark.secret_service
+def test_headless_shows_the_commands_stderr_and_not_the_bus_chatter(
+    tmp_path: Path,
+) -> None:
+    # As root (this suite's usual machine), dbus-daemon cannot raise its fd limit and
+    # said so on every run.
+    from tests.test_headless import PASSPHRASE, SCRIPT
+
+    home, scratch, passfile = tmp_path / "home", tmp_path / "tmp", tmp_path / "pass"
+    home.mkdir(mode=0o700)
+    scratch.mkdir()
+    passfile.write_text(PASSPHRASE)
+    passfile.chmod(0o600)
+    env = {
+        "HOME": str(home),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "TMPDIR": str(scratch),
+        "LANG": "C.UTF-8",
+        "MEMVAULT_KEYRING_PASSFILE": str(passfile),
+    }
+    proc = subprocess.run(
+        [str(SCRIPT), "status"], input="", capture_output=True, text=True, env=env, timeout=240
+    )
+    assert proc.returncode == 3, proc
+    assert proc.stderr.startswith("memvault: error: no vault at "), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "fd limit" not in proc.stderr, proc.stderr
+    assert list(scratch.iterdir()) == []  # the bus's stderr file went with its folder
