@@ -254,3 +254,17 @@ def test_headless_shows_the_commands_stderr_and_not_the_bus_chatter(
     assert proc.stderr.startswith("memvault: error: no vault at "), proc.stderr
     assert proc.stderr.count("\n") == 1 and "fd limit" not in proc.stderr, proc.stderr
     assert list(scratch.iterdir()) == []  # the bus's stderr file went with its folder
+
+
+def test_the_test_run_lists_each_skip_reason_once_with_its_count() -> None:
+    # Without a server every test of that file is skipped, for one reason.
+    env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_TEST_POSTGRES_URL"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_first_use_postgres.py"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    skipped = [ln for ln in proc.stdout.splitlines() if "SKIPPED" in ln]
+    assert len(skipped) == 1, proc.stdout
+    assert skipped[0].startswith("SKIPPED 6: needs a PostgreSQL server"), skipped
