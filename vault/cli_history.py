@@ -170,6 +170,11 @@ def _item_text(item: Any) -> str:
     return json.dumps(item, ensure_ascii=False)
 
 
+def _size(vault: Vault | PgVault, session_id: str) -> int:
+    """How many items SESSION stores (0 if none or unknown), counted in SQL, unverified."""
+    return next((s.items for s in vault.sessions() if s.session_id == session_id), 0)
+
+
 @cli.command()
 @click.argument("session_id", metavar="SESSION", type=SESSION)
 @click.option(
@@ -198,7 +203,7 @@ def show(session_id: str, limit: int | None, include_expired: bool) -> None:
     if limit is not None:
         # Only the newest rows are read: the session's size (counted just before, in
         # SQL) numbers them as export and search do.
-        size = next((s.items for s in vault.sessions() if s.session_id == session_id), 0)
+        size = _size(vault, session_id)
     opened = list(vault.opened_items(session_id, limit, include_expired=include_expired))
     if limit is not None:
         first = max(size - len(opened), 0) + 1
@@ -268,7 +273,7 @@ def pop(session_id: str, count: int, yes: bool) -> None:
     """
     vault = open_any()
     if not yes:
-        size = next((s.items for s in vault.sessions() if s.session_id == session_id), 0)
+        size = _size(vault, session_id)
         if 0 < size <= count:  # an unknown session fails in pop, with its own message
             confirm(
                 f"Remove all {plural(size, 'item')} of session {session_id!r}, emptying it?",
