@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.pgserver import MARKS
-from tests.test_postgres_admin import host_b_env, host_b_keys, one_line_error
+from tests.test_postgres_admin import host_b_env, host_b_keys, insert_sealed, one_line_error, write
 
 pytestmark = MARKS
 
@@ -71,3 +71,22 @@ def test_status_of_a_url_says_never_until_the_first_rotation(pg_vault: Any, pg_u
 def test_a_url_vault_refuses_a_ttl_without_a_unit(pg_vault: Any, pg_url: str, bare: str) -> None:
     one_line_error(run_cli("--db", pg_url, "ttl", bare), 2, "has no unit")
     assert run_cli("--db", pg_url, "--json", "ttl").json()["ttl"] == "1h"
+
+
+def test_pop_on_a_url_asks_before_it_empties_a_session(pg_vault: Any, pg_url: str) -> None:
+    write(pg_url, "s1", ["one", "two"])
+    r = run_cli("--db", pg_url, "pop", "s1", "-n", "5")
+    assert r.code == 1 and r.err.startswith("Remove all 2 items of session 's1'"), r
+    r = run_cli("--db", pg_url, "pop", "s1", "-n", "5", "--yes")
+    assert r.code == 0 and r.out.startswith("removed 2 items from s1 (asked for 5"), r
+    assert run_cli("--db", pg_url, "show", "s1").out == "session s1 is empty\n"
+
+
+def test_show_on_a_url_numbers_and_includes_expired_items(pg_vault: Any, pg_url: str) -> None:
+    import time
+
+    insert_sealed(pg_url, "s1", ["old"], int(time.time()) - 7200)  # the vault's TTL is 1h
+    write(pg_url, "s1", ["new"])
+    assert run_cli("--db", pg_url, "show", "s1").out.splitlines()[0] == "#2 user: new"
+    r = run_cli("--db", pg_url, "show", "s1", "--include-expired")
+    assert r.out.splitlines() == ["#1 (expired) user: old", "#2 user: new"], r
