@@ -47,7 +47,7 @@ def test_a_backup_still_reads_after_the_vault_rotates(
 ) -> None:
     b, items = backed_up(vault, vault_db, tmp_path)
     old_kid = vault.meta()["kid"]
-    r = run_cli("--db", str(vault_db), "rotate")
+    r = run_cli("--db", str(vault_db), "rotate", "--yes")  # non-interactive: nothing asked
     assert r.code == 0, r
     assert journal(vault_db)[old_kid] == "retained"
     # The backup opens in new processes with the retained entry; the live vault too.
