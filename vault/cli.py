@@ -392,4 +392,13 @@ def main() -> None:
 
 
 # The commands register themselves on `cli`; imported last, since they import it from here.
-from . import cli_admin, cli_agent, cli_care, cli_data, cli_history, cli_keys, cli_shell  # noqa: E402, F401
+from . import (  # noqa: E402, F401
+    cli_admin,
+    cli_agent,
+    cli_care,
+    cli_data,
+    cli_history,
+    cli_kept,  # noqa: E402, F401  (after cli_keys: it adds to the `key` group)
+    cli_keys,
+    cli_shell,
+)

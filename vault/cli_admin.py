@@ -72,6 +72,18 @@ def purge(yes: bool) -> None:
     check_scrub(report.scrubbed)
 
 
+def _kept_note(c: dict[str, Any]) -> str:
+    """What became of the old key, and which recorded backups still open, and why."""
+    from .cli_kept import backup_lines
+
+    if c.get("old_key") == "retained":
+        head = f"\n  old key {c['old_kid']} retained (decrypt-only) for the backups that use it"
+    else:
+        head = f"\n  old key {c['old_kid']} destroyed: no recorded backup uses it"
+    lines = backup_lines(c.get("backups", []), "  backup ")
+    return head + "".join("\n" + line for line in lines)
+
+
 def _on_postgres(vault: Any) -> bool:
     return getattr(vault, "backend", None) == "postgresql"
 
@@ -108,7 +120,9 @@ def rotate(yes: bool) -> None:
             f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
-            "  older recovery kits no longer match: run `memvault key export` again" + note
+            "  older recovery kits no longer match: run `memvault key export` again"
+            + note
+            + _kept_note(c)
         ),
     )
     check_scrub(report.scrubbed)

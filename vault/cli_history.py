@@ -66,13 +66,17 @@ def init(ttl: Any) -> None:
         "kid": meta["kid"],
         "ttl": durations.format_duration(seconds),
         "keyring": vault.keystore.name,
+        # The keyring entry is the only copy of the key: losing it loses the history.
+        "next": "memvault key export FILE",
     }
     emit(
         data,
         lambda: click.echo(
             f"created vault {data['path']}\n"
             f"  key id  {data['kid']} (key stored in {data['keyring']})\n"
-            f"  ttl     {data['ttl']}"
+            f"  ttl     {data['ttl']}\n"
+            "  next    make a recovery kit, kept apart from the vault: "
+            "`memvault key export FILE`; without it, a lost keyring entry loses the history"
         ),
     )
 

@@ -45,6 +45,7 @@ PG_TABLES = (
     MESSAGES_TABLE,
     "memvault_meta",
     "memvault_audit",
+    "memvault_backups",
     "memvault_keys",
     "memvault_migrations",
 )

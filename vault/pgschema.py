@@ -16,8 +16,11 @@ from typing import Any
 
 from . import keyjournal
 from .schema import (
+    FORMAT,
     GUARD_MESSAGE,
+    KEY_STATES_SQL,
     MESSAGES_TABLE,
+    PREVIOUS_FORMAT,
     ROTATION_LOGGED,
     SESSIONS_TABLE,
     utcnow,
@@ -148,6 +151,24 @@ def _key_versions(schema: str) -> list[str]:
     ]
 
 
+def _retained_keys_and_backups(schema: str) -> list[str]:
+    # vault.schema's m009: the `retained` state, the backups' records, the format bump.
+    return [
+        "ALTER TABLE memvault_keys DROP CONSTRAINT IF EXISTS memvault_keys_state_check",
+        f"ALTER TABLE memvault_keys ADD CONSTRAINT memvault_keys_state_check "
+        f"CHECK (state IN ({KEY_STATES_SQL}))",
+        """CREATE TABLE memvault_backups (
+               seq BIGSERIAL,
+               backup_id TEXT PRIMARY KEY,
+               path TEXT NOT NULL,
+               kid TEXT NOT NULL,
+               created_at TEXT NOT NULL
+           )""",
+        f"UPDATE memvault_meta SET value = '{FORMAT}' "
+        f"WHERE key = 'format' AND value = '{PREVIOUS_FORMAT}'",
+    ]
+
+
 # Applied in this order, each recorded once by name (names as in vault.schema where the
 # step is the same).
 MIGRATIONS = [
@@ -157,6 +178,7 @@ MIGRATIONS = [
     ("m004_audit", _audit),
     ("m005_key_versions", _key_versions),
     ("m006_guard_requires_v", _guard_requires_v),
+    ("m009_retained_keys_and_backups", _retained_keys_and_backups),
 ]
 
 

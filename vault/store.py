@@ -58,6 +58,7 @@ from .schema import (
     ITEM_WINDOW_INDEX,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
+    PREVIOUS_FORMAT,
     ROTATION_LOGGED,
     SESSIONS_TABLE,
     WINDOW_SECONDS,
@@ -199,7 +200,7 @@ class Vault(KeyLifecycle):
         vault = cls(path, keystore)
         with vault.connection() as conn:  # one connection for both questions
             meta = read_meta(conn, path)
-            if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
+            if meta.get("format") not in (FORMAT, PREVIOUS_FORMAT, LEGACY_FORMAT):
                 raise NotAVault(
                     f"{path} has an unknown memvault format {meta.get('format')!r}; "
                     "upgrade memvault"
