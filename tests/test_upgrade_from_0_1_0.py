@@ -93,7 +93,7 @@ def test_a_0_1_0_vault_reads_every_item(old_vault: OldVault) -> None:
         lines = r.out.splitlines()
         assert len(lines) == len(items), r
         for i, line in enumerate(lines, 1):
-            assert line.startswith(f"[{i}] "), r
+            assert line.startswith(f"#{i} "), r
 
 
 def meta_of(db: Path) -> dict[str, str]:
