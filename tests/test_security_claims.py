@@ -113,28 +113,77 @@ def test_rotation_does_not_protect_old_copies_from_the_old_key(
     assert old.open("s", after[0], None).state is crypto.ItemState.UNREADABLE
 
 
-def test_no_output_or_error_ever_contains_the_key(vault: Any, vault_db: Path) -> None:
+def key_spellings(keys: set[str]) -> set[str]:
+    """Each master key as stored, in standard base64, and its 32 raw bytes in hex."""
+    out = set()
+    for key in keys:
+        out |= {key, key.replace("-", "+").replace("_", "/"), crypto.master_key_bytes(key).hex()}
+    return out
+
+
+def test_no_output_or_error_ever_contains_any_key_version(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
     add_items(vault_db, "s", [user("x")])
-    key = keyring.get_password("memvault", key_entry(vault))
-    assert key
-    outputs = [
-        run_cli(*a)
-        for a in (
-            ["--json", "status"],
-            ["--json", "sessions"],
-            ["--json", "show", "s"],
-            ["--json", "log"],
-            ["--json", "rotate"],
-        )
-    ]
-    key = keyring.get_password("memvault", key_entry(vault))  # the rotated one
-    assert key
-    outputs += [run_cli("--json", "status"), run_cli("init")]
+    pass_file = tmp_path / "pass"
+    pass_file.write_text("correct horse battery staple, output\n")
+    pass_file.chmod(0o600)
+    kit = str(tmp_path / "kit.json")
+    # Every key version this vault's keyring ever held, read after each command: a
+    # rotation deletes the old entry, so reading only at the end would miss it.
+    keys: set[str] = set()
+
+    def run(*args: str, code: int | None = None) -> Any:
+        keys.update(keyring_entries(vault.vault_id).values())
+        r = run_cli(*args)
+        keys.update(keyring_entries(vault.vault_id).values())
+        assert code is None or r.code == code, (args, r)
+        return r
+
+    outputs = []
+    for json_flag in ([], ["--json"]):
+        outputs += [
+            run(*json_flag, "status", code=0),
+            run(*json_flag, "sessions", code=0),
+            run(*json_flag, "show", "s", code=0),
+            run(*json_flag, "search", "x", code=0),
+            run(*json_flag, "verify", code=0),
+            run(*json_flag, "key", "list", code=0),
+            run(*json_flag, "ttl", code=0),
+            run(*json_flag, "log", code=0),
+            run(*json_flag, "export", "s", "-o", str(tmp_path / f"e{len(json_flag)}.json"), code=0),
+            run(*json_flag, "key", "export", "--passphrase-file", str(pass_file), kit, code=0),
+            run(*json_flag, "backup", str(tmp_path / f"b{len(json_flag)}.db"), code=0),
+            run(*json_flag, "rotate", code=0),
+            # Error paths: a kit of a retired key, a key export over a kit, a missing
+            # session, a usage error, no vault, then a wrong key in the keyring.
+            run(*json_flag, "key", "import", "--passphrase-file", str(pass_file), kit),
+            run(*json_flag, "key", "export", "--passphrase-file", str(pass_file), kit),
+            run(*json_flag, "show", "no-such-session"),
+            run(*json_flag, "pop", "s", "-n", "0", code=2),
+            run(*json_flag, "--db", str(tmp_path / "none.db"), "show", "s", code=3),
+            run(*json_flag, "init", code=1),
+        ]
+        (tmp_path / "kit.json").unlink()
+    entry = key_entry(vault)
+    right = keyring.get_password("memvault", entry)
+    assert right
+    wrong = crypto.generate_key()
+    keyring.set_password("memvault", entry, wrong)
+    outputs += [run("show", "s", code=4), run("--json", "rotate", code=4)]
+    keyring.set_password("memvault", entry, right)
+    outputs += [run("--json", "rotate", code=0)]
+    assert wrong in keys and len(keys) >= 5, "the keys were not collected"
+    spellings = key_spellings(keys)
     for r in outputs:
-        assert key not in r.out and key not in r.err
-    assert key not in repr(vault_pkg.Vault.open(vault_db).sealer())
-    log = json.dumps(run_cli("--json", "log").json())
-    assert key not in log
+        for key in spellings:
+            assert key not in r.out and key not in r.err, r
+    files = [vault_db, *tmp_path.glob("b*.db"), *tmp_path.glob("e*.json")]
+    assert len(files) == 5
+    for path in files:
+        data = path.read_bytes()
+        assert not any(key.encode() in data for key in spellings), path
+    assert not any(key in repr(vault_pkg.Vault.open(vault_db).sealer()) for key in spellings)
 
 
 def test_the_guard_is_no_defence_against_someone_who_can_write_the_file(
