@@ -633,3 +633,30 @@ def test_no_kit_is_exported_while_rows_still_need_the_old_key(
     assert run_cli("--db", pg_url, "rotate").code == 0
     r = export()
     assert r.code == 0 and kit.exists(), r
+
+
+def test_swapped_or_duplicated_envelopes_within_a_session_still_verify_on_postgres(
+    pg_vault: Any, pg_url: str
+) -> None:
+    # The known limit (SECURITY.md): a session's own envelopes authenticate wherever they
+    # stand in it, so a writer of the schema can reorder or copy them undetected. When
+    # detection lands, this test is inverted.
+    import vault
+
+    async def fill() -> None:
+        s = vault.open_session("s", pg_url)
+        await s.add_items([{"role": "user", "content": w} for w in ("first", "second")])
+
+    asyncio.run(fill())
+    (id1, one), (id2, two) = sql(pg_url, "SELECT id, message_data FROM agent_messages ORDER BY id")
+    update = "UPDATE agent_messages SET message_data = $1 WHERE id = $2"
+    sql(pg_url, update, args=(two, id1))
+    sql(pg_url, update, args=(one, id2))
+    insert = "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', $1)"
+    sql(pg_url, insert, args=(one,))
+    r = run_cli("--db", pg_url, "--json", "show", "s")
+    assert r.code == 0, r
+    order = [i["content"] for i in r.json()["items"]]
+    assert order == ["second", "first", "first"]
+    r = run_cli("--db", pg_url, "--json", "verify")
+    assert r.code == 0 and r.json()["ok"] is True, r
