@@ -81,6 +81,37 @@ def test_the_file_reveals_session_ids_counts_sizes_and_timestamps(
     assert crypto.token_timestamp(data) is not None  # Fernet's timestamp is not encrypted
 
 
+def test_the_file_reveals_its_audit_trail_vault_id_ttl_and_key_history(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user("a"), user("b")])
+    backup = tmp_path / "nightly-backup.db"
+    assert run_cli("ttl", "3d").code == 0
+    assert run_cli("backup", str(backup)).code == 0
+    first_kid = vault.meta()["kid"]
+    assert run_cli("rotate").code == 0
+    assert run_cli("purge", "--yes").code == 0
+    # Read with plain sqlite3 from a copy, no key anywhere: only the file's own tables.
+    copy = tmp_path / "copy.db"
+    shutil.copy(vault_db, copy)
+    conn = sqlite3.connect(copy)
+    meta = dict(conn.execute("SELECT key, value FROM memvault_meta"))
+    audit = conn.execute("SELECT at, event, kid, details FROM memvault_audit").fetchall()
+    keys = dict(conn.execute("SELECT kid, state FROM memvault_keys"))
+    conn.close()
+    assert meta["vault_id"] == vault.vault_id
+    assert meta["ttl_seconds"] == str(3 * 86400)
+    assert keys[first_kid] != "current" and keys[meta["kid"]] == "current"
+    assert meta["created_at"] and meta["rotated_at"]
+    events = [e for _, e, _, _ in audit]
+    assert {"init", "ttl", "backup", "rotate", "purge"} <= set(events), events
+    assert all(at for at, _, _, _ in audit)  # times
+    assert first_kid in {k for _, _, k, _ in audit}  # key ids
+    details = " ".join(d for _, _, _, d in audit)
+    assert "nightly-backup.db" in details  # backup paths
+    assert '"items": 2' in details and '"sessions": 1' in details  # counts
+
+
 def test_destroying_the_key_makes_every_copy_unreadable(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
