@@ -155,6 +155,28 @@ def test_the_plaintext_backend_is_refused_and_writes_no_file(tmp_path: Path) -> 
     assert not db.exists() and not db.parent.exists()
 
 
+def test_the_encrypted_file_backend_is_refused_without_asking_for_a_password(
+    filled: Path, tmp_path: Path
+) -> None:
+    # keyrings.alt's EncryptedKeyring keeps the key in a file behind a typed password:
+    # refused before it prompts (stdin is empty: a prompt would fail, not hang).
+    home = tmp_path / "home"
+    home.mkdir()
+    backend = "keyrings.alt.file.EncryptedKeyring"
+    env = {
+        "PYTHON_KEYRING_BACKEND": backend,
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+    }
+    db = tmp_path / "v" / "h.db"
+    line = one_line(run("--db", str(db), "init", set_env=env), 4, backend, "refuses")
+    assert "password" in line and "mv1:" not in line
+    for args in COMMANDS:
+        one_line(run(*args, set_env=env), 4, backend, "refuses")
+    assert files_under(home) == []
+    assert not db.exists() and not db.parent.exists()
+
+
 def test_an_existing_vault_is_not_opened_through_the_plaintext_backend(
     filled: Path, vault: Any, tmp_path: Path
 ) -> None:
