@@ -20,6 +20,7 @@ import click
 
 from . import files, paths
 from .cli import cli, common, hide_options, refuse_option, state
+from .db import keep_temp_in_memory
 from .schema import SESSIONS_TABLE
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ def session_ids(db: str | None, prefix: str = "") -> list[str]:
     uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if live else "?mode=ro&immutable=1")
     conn = sqlite3.connect(uri, uri=True, timeout=COMPLETION_TIMEOUT, isolation_level=None)
     try:
+        keep_temp_in_memory(conn)
         rows = conn.execute(
             f"SELECT session_id FROM {SESSIONS_TABLE} WHERE substr(session_id, 1, ?) = ? "
             "ORDER BY session_id LIMIT ?",
