@@ -398,25 +398,27 @@ def test_help_of_the_key_commands_has_an_example() -> None:
     assert "Exit codes" in run_cli("key", "import", "--help").out
 
 
-def test_a_revoke_racing_an_import_leaves_no_key_behind(
-    vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any
+@pytest.mark.parametrize(("command", "says"), [("revoke", "revoked"), ("shred", "^no vault at")])
+def test_a_revoke_or_shred_racing_an_import_leaves_no_key_behind(
+    vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any, command: str, says: str
 ) -> None:
     from vault.errors import VaultError
     from vault.kit import import_kit
 
     kit = tmp_path / "kit.json"
     assert export(kit).code == 0
+    vault_id = vault.vault_id  # read from the file, which a shred removes
     importer = type(vault).open(vault_db)
     real_get = importer.keystore.get
     raced: list[Any] = []
 
-    def get_after_a_revoke(name: str) -> Any:
-        if not raced:  # another process revokes between the kit check and the store
-            raced.append(run_cli("revoke", "--yes"))
+    def get_after_a_race(name: str) -> Any:
+        if not raced:  # another process revokes or shreds between the kit check and the store
+            raced.append(run_cli(command, "--yes"))
         return real_get(name)
 
-    monkeypatch.setattr(importer.keystore, "get", get_after_a_revoke)
-    with pytest.raises(VaultError, match="revoked"):
+    monkeypatch.setattr(importer.keystore, "get", get_after_a_race)
+    with pytest.raises(VaultError, match=says):
         import_kit(importer, kit, PASS)
     assert raced[0].code == 0, raced[0]
-    assert keyring_entries(vault.vault_id) == {}
+    assert keyring_entries(vault_id) == {}

@@ -16,6 +16,7 @@ import click
 
 from . import files, paths
 from .cli import cli, common, hide_options, refuse_option, state
+from .db import keep_temp_in_memory
 from .schema import SESSIONS_TABLE
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def session_ids(db: str | None, prefix: str = "") -> list[str]:
         return []
     conn = files.peek(path, COMPLETION_TIMEOUT)
     try:
+        keep_temp_in_memory(conn)
         rows = conn.execute(
             f"SELECT session_id FROM {SESSIONS_TABLE} WHERE substr(session_id, 1, ?) = ? "
             "ORDER BY session_id LIMIT ?",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .db import error_name, is_busy
+from .db import error_name, is_busy, keep_temp_in_memory
 from .errors import OperationFailed, VaultBusy
 from .schema import MESSAGES_TABLE
 
@@ -129,6 +129,7 @@ def open_source(src: Path, shred_source: bool) -> sqlite3.Connection:
         raise OperationFailed(f"cannot open {src} ({exc}); nothing was imported") from None
     conn.text_factory = _strict_text
     try:
+        keep_temp_in_memory(conn)
         if shred_source:
             conn.execute("PRAGMA secure_delete = ON")
             # Held until close, and refused while any other connection has the file

@@ -67,7 +67,7 @@ def _meta(schema: str) -> list[str]:
 
 
 def _guard_function(schema: str, extra_check: str = "") -> str:
-    # Anything that is not a 4-key envelope object {__enc__: 1, v, kid, payload: "gAAAAA..."}
+    # Anything that is not a 4-member envelope object {__enc__: 1, v, kid, payload: "gAAAAA..."}
     # whose kid is the meta's current one is refused, plaintext from a bare
     # SQLAlchemySession and a writer still holding a retired key alike. The meta is
     # named with its schema: the trigger must not depend on the writer's search_path.
@@ -76,10 +76,16 @@ def _guard_function(schema: str, extra_check: str = "") -> str:
             LANGUAGE plpgsql AS $guard$
             DECLARE
                 env jsonb;
+                members bigint;
                 current_kid text;
             BEGIN
                 BEGIN
                     env := NEW.message_data::jsonb;
+                    -- Counted on json, which keeps a label given twice; jsonb keeps
+                    -- only its last value.
+                    IF jsonb_typeof(env) = 'object' THEN
+                        members := (SELECT count(*) FROM json_object_keys(NEW.message_data::json));
+                    END IF;
                 EXCEPTION WHEN others THEN
                     env := NULL;
                 END;
@@ -91,7 +97,7 @@ def _guard_function(schema: str, extra_check: str = "") -> str:
                     OR jsonb_typeof(env -> 'payload') IS DISTINCT FROM 'string'
                     OR left(env ->> 'payload', 6) IS DISTINCT FROM 'gAAAAA'
                     OR env ->> 'kid' IS DISTINCT FROM current_kid{extra_check}
-                    OR (SELECT count(*) FROM jsonb_object_keys(env)) <> 4
+                    OR members IS DISTINCT FROM 4
                 THEN
                     RAISE EXCEPTION USING MESSAGE = '{message}', ERRCODE = '{GUARD_SQLSTATE}';
                 END IF;
@@ -122,6 +128,12 @@ def guard_function(schema: str) -> str:
 
 def _guard_requires_v(schema: str) -> list[str]:
     return [guard_function(schema)]
+
+
+# m006's function counted members on jsonb, which keeps only the last of a label given
+# twice: {"payload": "plaintext", ..., "payload": "gAAAAA..."} counted four and got in.
+# The function now counts on json; this step puts it into vaults made before.
+_guard_counts_json_members = _guard_requires_v
 
 
 def _audit(schema: str) -> list[str]:
@@ -178,6 +190,7 @@ MIGRATIONS = [
     ("m004_audit", _audit),
     ("m005_key_versions", _key_versions),
     ("m006_guard_requires_v", _guard_requires_v),
+    ("m007_guard_counts_json_members", _guard_counts_json_members),
     ("m009_retained_keys_and_backups", _retained_keys_and_backups),
 ]
 

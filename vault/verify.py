@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from . import crypto, paths
-from .db import check_header, is_damage, parse_ttl, refuse_odd_side_files
+from .db import check_header, is_damage, keep_temp_in_memory, parse_ttl, refuse_odd_side_files
 from .errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
 from .keys import KeyStore
 from .schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
@@ -245,6 +245,7 @@ def expected_triggers(applied: frozenset[str] | None = None) -> dict[str, str]:
     are then memvault's own; the schema check reports the missing migrations."""
     mem = sqlite3.connect(":memory:", isolation_level=None)
     try:
+        keep_temp_in_memory(mem)
         if applied is None:
             migrate(mem)
         else:
