@@ -33,7 +33,6 @@ from .db import (
     translate,
 )
 from .errors import NotAVault, OperationFailed, VaultBusy, VaultCorrupt, VaultError
-from .export import remove_stale_exports
 from .files import Progress
 from .keys import KeyStore
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SHRED_MAGIC, SQLITE_MAGIC, utcnow
@@ -364,7 +363,10 @@ def shred(
             f"could not overwrite or remove {exc.filename or path} ({exc.strerror}); the key is "
             "already destroyed; fix the cause and run `memvault shred` again"
         ) from None
-    # A killed `export --force` of this vault may have left plaintext beside it.
+    # A killed `export --force` of this vault may have left plaintext beside it. (Imported
+    # here: `status` and `sessions` import this module and must not pay for the export.)
+    from .export import remove_stale_exports
+
     report["files"] = done + removed + remove_stale_exports(path.absolute().parent)
     report["at"] = utcnow()
     return report
