@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, insert_sealed, keyring_items, run_cli, user
+from tests.pgserver import SERVER_URL
 
 KILLED = -signal.SIGKILL
 SECRET = "plaintext-marker-7731"
@@ -166,3 +167,85 @@ def test_init_killed_at_random_instants_leaves_no_vault_or_a_whole_one(vault_db:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=120)
         settle_after_killed_init(vault_db, before, f"at {share:.2f} of {span:.3f}s")
+
+
+# --------------------------------------------------------------------------
+# import --shred-source
+# --------------------------------------------------------------------------
+def make_plain(path: Path, sessions: dict[str, int]) -> dict[str, list[Any]]:
+    """A plaintext SQLiteSession file written by the real SDK."""
+    import asyncio
+
+    from agents import SQLiteSession
+
+    items = {sid: [user(f"{sid} plain {i}") for i in range(n)] for sid, n in sessions.items()}
+
+    async def go() -> None:
+        for sid, its in items.items():
+            s = SQLiteSession(sid, path)
+            await s.add_items(its)
+            s.close()
+
+    asyncio.run(go())
+    return items
+
+
+@pytest.mark.parametrize(
+    ("step", "already", "imported"),
+    [
+        ("import-session-committed", ["a"], ["b"]),  # killed between the two sessions
+        ("import-before-source-shred", ["a", "b"], []),
+        ("import-during-source-shred", [], []),  # the source is zeroed: only the shred is left
+    ],
+)
+def test_a_killed_import_with_shred_source_is_finished_by_running_it_again(
+    vault: Any, vault_db: Path, tmp_path: Path, step: str, already: list[str], imported: list[str]
+) -> None:
+    plain = tmp_path / "plain.db"
+    want = make_plain(plain, {"a": 5, "b": 7})
+    args = ["--db", str(vault_db), "import", str(plain), "--shred-source", "--yes"]
+    killed = run_cli(*args, env={"MEMVAULT_FAILPOINT": step})
+    assert killed.code == KILLED, killed
+    again = run_cli("--json", *args)
+    assert again.code == 0, again
+    report = again.json()
+    assert [s["session_id"] for s in report["already_imported"]] == already
+    assert [s["session_id"] for s in report["sessions"]] == imported
+    assert report["source_shredded"] is not None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("plain.db")] == []
+    from vault import Vault
+
+    v = Vault.open(vault_db)
+    assert {sid: v.items(sid)[0] for sid in v.session_ids()} == want  # each item once
+    log = run_cli("--db", str(vault_db), "--json", "log").json()
+    assert sum(e["event"] == "source-shred" for e in log) == 1
+
+
+def test_a_session_of_the_same_name_not_from_that_source_is_still_refused(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    plain = tmp_path / "plain.db"
+    make_plain(plain, {"a": 3})
+    insert_sealed(vault_db, "a", [user("a plain 0"), user("a plain 1"), user("a plain 2")])
+    r = run_cli("--db", str(vault_db), "import", str(plain), "--shred-source", "--yes")
+    assert r.code == 1 and "already exists in the vault" in r.err, r
+    assert plain.exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not SERVER_URL, reason="needs a PostgreSQL server (scripts/with-postgres)")
+def test_a_killed_import_into_postgresql_is_finished_by_running_it_again(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    plain = tmp_path / "plain.db"
+    want = make_plain(plain, {"a": 4, "b": 3})
+    args = ["--db", pg_url, "import", str(plain), "--shred-source", "--yes"]
+    killed = run_cli(*args, env={"MEMVAULT_FAILPOINT": "import-session-committed"})
+    assert killed.code == KILLED, killed
+    again = run_cli("--json", *args)
+    assert again.code == 0, again
+    assert [s["session_id"] for s in again.json()["already_imported"]] == ["a"]
+    assert [s["session_id"] for s in again.json()["sessions"]] == ["b"]
+    assert not plain.exists()
+    for sid, items in want.items():
+        assert run_cli("--db", pg_url, "--json", "show", sid).json()["items"] == items

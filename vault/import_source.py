@@ -9,10 +9,12 @@ shredding.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .db import error_name, is_busy
 from .errors import OperationFailed, VaultBusy
@@ -81,6 +83,16 @@ class Plan:
     @property
     def total_items(self) -> int:
         return sum(s.items for s in self.sessions)
+
+
+def digest_update(h: Any, item: Any) -> None:
+    """One item into a digest that the source's and the vault's copies are compared by."""
+    h.update(
+        json.dumps(
+            item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
+        ).encode("utf-8")
+    )
+    h.update(b"\n")
 
 
 def open_source(src: Path, shred_source: bool) -> sqlite3.Connection:
