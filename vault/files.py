@@ -173,9 +173,8 @@ def _write_all(fd: int, data: bytes | Iterable[bytes]) -> None:
 
 
 # A file memvault builds beside its target and renames into place is named
-# `.memvault-<tag>-<token>`, and is flock'ed by its writer until it is renamed or
-# removed: a kill leaves a name a later command can recognise, and a lock that tells a
-# dead writer's leftover from a file another process is still writing.
+# `.memvault-<tag>-<token>` and flock'ed by its writer until then: a kill leaves a name
+# a later command recognises, and the lock tells a dead writer's leftover from a live one.
 TEMP_PREFIX = ".memvault-"
 _TOKEN = re.compile(r"[A-Za-z0-9_.:-]{1,120}")
 
@@ -258,9 +257,13 @@ def stale_temps(
 
 
 def remove_stale_temps(
-    folder: Path, tag: str, looks_ours: Callable[[bytes], bool]
+    folder: Path,
+    tag: str,
+    looks_ours: Callable[[bytes], bool],
+    names: Callable[[Path], list[Path]] = lambda p: [p],
 ) -> list[dict[str, Any]]:
-    """Overwrite and unlink what killed writers of kind `tag` left in `folder`.
+    """Overwrite and unlink what killed writers of kind `tag` left in `folder`: for each,
+    the `names` it stands for (`paths.sidecars` adds the files SQLite kept beside it).
 
     Returns what was destroyed, as `destroy` reports it.
     """
@@ -268,10 +271,11 @@ def remove_stale_temps(
     for path, _token, st in stale_temps(folder, tag, looks_ours):
         if st.st_nlink > 1:
             continue  # a file with another name is not only ours: left alone
-        with contextlib.suppress(OSError):
-            entry = destroy(path)
-            if entry:
-                removed.append(entry)
+        for name in names(path):
+            with contextlib.suppress(OSError):
+                entry = destroy(name)
+                if entry:
+                    removed.append(entry)
     if removed:
         fsync_dir(folder)
     return removed

@@ -40,7 +40,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     _refuse(vault, vault.meta())
     target = file_backup.check_destination(dest)
     kid, vault_id, sessions, items = file_backup.write_new_copy(
-        target, lambda: _copy(vault, target)
+        target, lambda dest: _copy(vault, dest)
     )
     key_problem: str | None = None
     try:
