@@ -77,8 +77,11 @@ def _on_postgres(vault: Any) -> bool:
 
 
 @cli.command()
+# Accepted as on every command that can ask, so that scripts pass it without
+# knowing which ones ask today.
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @common
-def rotate() -> None:
+def rotate(yes: bool) -> None:
     """Replace the key: re-encrypt every item, keep timestamps, scrub old bytes.
 
     Older recovery kits stop working after a rotation: export a new one.
@@ -145,7 +148,9 @@ def revoke(yes: bool) -> None:
         if r["already_revoked"]:
             finished = ""
             if r["key_destroyed"]:
-                finished = f"; destroyed what a cut-off revoke had left (key {_kids(r)})"
+                # A second host's revoke, or one finishing a revoke cut off: either way
+                # what happened is that this keyring still held the key, and now does not.
+                finished = f"; this keyring still held its key: destroyed it ({_kids(r)})"
             click.echo(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
                 f"`memvault shred` removes the {'rows' if _on_postgres(vault) else 'file'}" + hosts

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import click
 
 from . import files, paths
-from .cli import cli, common, refuse_option, state
+from .cli import cli, common, hide_options, refuse_option, state
 from .schema import SESSIONS_TABLE
 
 if TYPE_CHECKING:
@@ -68,6 +68,9 @@ def completion(shell: str) -> None:
         raise click.UsageError(f"no completion support for {shell}")
     # Bytes, as Click writes it: a text stdout on Windows would turn LF into CRLF.
     click.echo(comp_cls(cli, {}, prog_name, complete_var).source().encode(), nl=False)
+
+
+hide_options(completion, "db", "as_json")  # refused above: its --help does not offer them
 
 
 def complete_session_ids(db: str | None, incomplete: str) -> list[CompletionItem]:

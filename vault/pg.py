@@ -268,12 +268,15 @@ class PgVault(PgVaultBase):
     def status(self, now: int | None = None) -> dict[str, Any]:
         """What `memvault status` shows; the file fields say they do not apply."""
 
-        async def read(conn: Any) -> tuple[dict[str, str], str | None, list[SessionInfo]]:
+        async def read(
+            conn: Any,
+        ) -> tuple[dict[str, str], str | None, list[SessionInfo], str | None]:
             meta = await self.read_meta(conn)
             ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
-            return meta, await pgschema.current_schema(conn), await self._count(conn, ttl, now)
+            schema, infos = await pgschema.current_schema(conn), await self._count(conn, ttl, now)
+            return meta, schema, infos, await pgschema.last_rotation(conn, meta)
 
-        meta, schema, infos = self.run(read)
+        meta, schema, infos, rotated = self.run(read)
         ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
         out: dict[str, Any] = {
             "backend": self.backend,
@@ -286,7 +289,7 @@ class PgVault(PgVaultBase):
             "kid": meta["kid"],
             "ttl": durations.format_duration(ttl),
             "created_at": meta.get("created_at"),
-            "rotated_at": meta.get("rotated_at"),
+            "rotated_at": rotated,
             "scrub_pending": False,
             "shred_interrupted": False,
             "keyring": None,

@@ -15,7 +15,14 @@ import json
 from typing import Any
 
 from . import keyjournal
-from .schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .schema import (
+    GUARD_MESSAGE,
+    MESSAGES_TABLE,
+    ROTATION_LOGGED,
+    SESSIONS_TABLE,
+    utcnow,
+)
+from .schema import last_rotation as _last_rotation
 
 # The guard's SQLSTATE: check_violation, so that SQLAlchemy reports it as an IntegrityError
 # (as sqlite3 reports the SQLite trigger's refusal), and the session retries it alike.
@@ -225,3 +232,8 @@ async def record_key(conn: Any, kid: str, state: str) -> None:
         state,
         now,
     )
+
+
+async def last_rotation(conn: Any, meta: dict[str, str]) -> str | None:
+    """`rotated_at`, or None for a vault never rotated (vault.schema.last_rotation)."""
+    return _last_rotation(meta, await conn.fetchval(ROTATION_LOGGED) is not None)

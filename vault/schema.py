@@ -30,6 +30,22 @@ def utcnow() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# Whether the audit trail records a rotation; the same SQL on both engines.
+ROTATION_LOGGED = "SELECT 1 FROM memvault_audit WHERE event = 'rotate' LIMIT 1"
+
+
+def last_rotation(meta: dict[str, str], rotation_logged: bool) -> str | None:
+    """The time of the last rotation, or None if the vault was never rotated.
+
+    `init` writes `rotated_at` equal to `created_at`; a rotation in that same second
+    is told apart by its audit event.
+    """
+    at = meta.get("rotated_at")
+    if at is not None and at == meta.get("created_at") and not rotation_logged:
+        return None
+    return at
+
+
 # Migrations: applied in this order, each recorded once by name.
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = []
 

@@ -53,8 +53,10 @@ from .schema import (
     ITEM_WINDOW_INDEX,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
+    ROTATION_LOGGED,
     SESSIONS_TABLE,
     WINDOW_SECONDS,
+    last_rotation,
     migrate,
     needs_migration,
     window_start,
@@ -309,6 +311,7 @@ class Vault(KeyLifecycle):
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)
             infos = self._count(conn, ttl, now)
+            rotated = last_rotation(meta, conn.execute(ROTATION_LOGGED).fetchone() is not None)
         files = {}
         for p in paths.sidecars(self.path):
             if p.exists():
@@ -322,7 +325,7 @@ class Vault(KeyLifecycle):
             "kid": meta["kid"],
             "ttl": durations.format_duration(ttl),
             "created_at": meta.get("created_at"),
-            "rotated_at": meta.get("rotated_at"),
+            "rotated_at": rotated,
             "scrub_pending": meta.get("scrub_pending") == "1",
             "shred_interrupted": "shred_started" in meta,
             "keyring": None,
