@@ -440,10 +440,13 @@ def test_ctrl_c_while_the_copy_is_settled_leaves_no_partial_backup(
     assert proc.stderr is not None
     line = proc.stderr.readline()  # blocks until the pause point is reached (or the exit)
     assert "paused at backup-vacuumed" in line, line
-    assert dest.exists()  # written, not yet settled
+    # Written beside its name, not yet settled: the name appears only with a whole copy.
+    assert not os.path.lexists(dest)
+    assert [p.name[:16] for p in tmp_path.glob(".memvault-*")] == [".memvault-backup"]
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().startswith("memvault: error: interrupted"), err
     assert not os.path.lexists(dest) and side_files(dest) == []
+    assert list(tmp_path.glob(".memvault-*")) == []
     assert run_cli("verify").code == 0

@@ -33,7 +33,7 @@ from .crypto import Sealer
 from .db import connect, is_busy, is_damage, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
 from .keyjournal import DESTROYED, PENDING
-from .schema import MESSAGES_TABLE, SESSIONS_TABLE
+from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC
 from .store import Vault
 
 KEY_OK = "present and matching"
@@ -172,6 +172,13 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
     )
 
 
+TEMP_TAG = "backup"  # built as `.memvault-backup-*` beside the target, then linked into place
+
+
+def _looks_like_backup(head: bytes) -> bool:
+    return head == b"" or head.startswith(SQLITE_MAGIC)
+
+
 class Recorder(Protocol):
     """The live vault's records of its backups (a file vault's or a PostgreSQL one's)."""
 
@@ -216,43 +223,60 @@ def recorded_copy(
 
 def write_new_copy(
     target: Path,
-    fill: Callable[[], None],
+    fill: Callable[[Path], None],
     backup_id: str = "",
     keep: Callable[[str], None] | None = None,
 ) -> Copy:
-    """Create `target` (new, private, empty), let `fill` write a vault into it, check it is
-    still the file created, settle and check it; (kid, vault_id, sessions, items).
+    """Let `fill` write a vault into a new private file beside `target`, settle and check
+    it, then give it `target`'s name; (kid, vault_id, sessions, items).
+
+    The copy appears at `target` whole or not at all: a kill at any instant leaves at
+    most a temporary file, which the next backup into that folder removes. Anything that
+    fails removes the temporary file (and its side files); `target` is never replaced.
 
     The copy's meta gets `backup_id`; `keep(kid)` may still refuse the settled copy.
-    Anything that fails after the file was created removes it again (and its side files).
     """
+    folder = target.absolute().parent
+    files.remove_stale_temps(folder, TEMP_TAG, _looks_like_backup, paths.sidecars)
     try:
-        files.write_private(target, b"")  # O_EXCL | O_NOFOLLOW, 0600 from the first byte
-    except FileExistsError:
-        raise BadInput(
-            f"{target} appeared while the backup was starting; give a new file name; "
-            "nothing was written"
-        ) from None
+        fd, tmp = files.create_temp(folder, TEMP_TAG)  # O_EXCL | O_NOFOLLOW, 0600
     except OSError as exc:
         raise OperationFailed(
-            f"cannot create {target} ({exc.strerror}); choose a writable folder; "
-            "nothing was written"
+            f"cannot create a file beside {target} ({exc.strerror}); choose a writable "
+            "folder; nothing was written"
         ) from None
-    created = os.lstat(target)
+    created = os.fstat(fd)
     try:
-        fill()
-        now = os.lstat(target)
+        fill(tmp)
+        now = os.lstat(tmp)
         if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
             raise OperationFailed(
-                f"{target} was replaced while the backup was written; the backup was not made"
+                f"{tmp} was replaced while the backup was written; the backup was not made"
             )
-        copy = _settle(target, backup_id)
+        result = _settle(tmp, backup_id)
         if keep is not None:
-            keep(copy[0])
-        return copy
+            keep(result[0])
+        testhooks.failpoint("backup-settled")
+        try:
+            os.link(tmp, target)  # never over a file that appeared meanwhile
+        except FileExistsError:
+            raise BadInput(
+                f"{target} appeared while the backup was written; give a new file name; "
+                "nothing was written"
+            ) from None
+        except OSError as exc:
+            raise OperationFailed(
+                f"cannot create {target} ({exc.strerror}); choose a writable folder; "
+                "nothing was written"
+            ) from None
+        os.unlink(tmp)
+        files.fsync_dir(folder)
+        return result
     except BaseException:
-        _remove(target, created)
+        _remove(tmp, created)
         raise
+    finally:
+        os.close(fd)  # last: the lock tells another backup this file is being written
 
 
 def _copy(
@@ -260,13 +284,13 @@ def _copy(
 ) -> tuple[str, str, int, int]:
     """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items)."""
 
-    def vacuum_into() -> None:
+    def vacuum_into(dest: Path) -> None:
         with vault.connection() as conn:
             # VACUUM INTO accepts an existing empty file and keeps its mode. The
             # connection takes URIs, so the name is passed as one (a '?' or '#' in a
             # path stays part of the name).
             try:
-                conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(target)),))
+                conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(dest)),))
             except sqlite3.Error as exc:
                 if is_busy(exc) or is_damage(exc):
                     raise  # the vault's own state: said as every command says it

@@ -152,6 +152,11 @@ def import_cmd(
         )
         for s in r["sessions"]:
             click.echo(f"  {s['session_id']:<30} {plural(s['items'], 'item'):>11}")
+        for s in r["already_imported"]:  # by a killed run of the same command
+            click.echo(
+                f"  {s['session_id']:<30} {plural(s['items'], 'item'):>11}  already imported "
+                "by the interrupted run; not imported again"
+            )
         shredded = r["source_shredded"]
         if shredded:
             click.echo(

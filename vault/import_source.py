@@ -118,6 +118,16 @@ class Plan:
         return sum(s.items for s in self.sessions)
 
 
+def digest_update(h: Any, item: Any) -> None:
+    """One item into a digest that the source's and the vault's copies are compared by."""
+    h.update(
+        json.dumps(
+            item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
+        ).encode("utf-8")
+    )
+    h.update(b"\n")
+
+
 def open_source(src: Path, shred_source: bool) -> sqlite3.Connection:
     """The source, read-only; with shred_source, writable and locked exclusively."""
     uri = "file:" + urllib.parse.quote(str(src)) + ("?mode=rw" if shred_source else "?mode=ro")

@@ -44,7 +44,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
         vault,
         target,
         lambda rec, keep: file_backup.write_new_copy(
-            target, lambda: _copy(vault, target), rec.backup_id, keep
+            target, lambda dest: _copy(vault, dest), rec.backup_id, keep
         ),
     )
     key_problem = file_backup.key_check(vault, rec, kid)

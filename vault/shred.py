@@ -363,7 +363,11 @@ def shred(
             f"could not overwrite or remove {exc.filename or path} ({exc.strerror}); the key is "
             "already destroyed; fix the cause and run `memvault shred` again"
         ) from None
-    report["files"] = done + removed
+    # A killed `export --force` of this vault may have left plaintext beside it. (Imported
+    # here: `status` and `sessions` import this module and must not pay for the export.)
+    from .export import remove_stale_exports
+
+    report["files"] = done + removed + remove_stale_exports(path.absolute().parent)
     report["at"] = utcnow()
     return report
 
