@@ -8,9 +8,11 @@ free pages, which may still hold ciphertext deleted without `secure_delete`.
 deleted before the backup.
 
 The copy keeps the vault id and the key id: it opens with the same keyring
-key, and no key is ever copied. A vault whose key is missing (new keyring, lost
-entry) is still backed up, since a recovery kit may hold its key; the result
-says so. A revoked vault is refused: nothing can ever read its copy.
+key, and no key is ever copied. It is marked as a backup (vault.backupmark):
+writing commands refuse it until `memvault restore` makes it the live vault.
+A vault whose key is missing (new keyring, lost entry) is still backed up,
+since a recovery kit may hold its key; the result says so. A revoked vault is
+refused: nothing can ever read its copy.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import files, paths, testhooks
-from .db import connect, is_busy, is_damage, sqlite_errors
+from . import backupmark, files, paths, testhooks
+from .db import connect, is_busy, is_damage, set_meta, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE
 from .store import Vault
@@ -51,6 +53,7 @@ class BackupResult:
     key_problem: str | None = None
     restore: list[str] = field(default_factory=list)
     audited: bool = True  # False: made, but the audit event could not be written
+    backup_id: str | None = None  # the copy's meta `backup_id` (vault.backupmark)
 
     @property
     def key_ok(self) -> bool:
@@ -109,7 +112,8 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
             "it; nothing was written"
         )
     target = check_destination(dest)
-    kid, vault_id, sessions, items = _copy(vault, target)
+    mark = backupmark.new_mark(meta["vault_id"])
+    kid, vault_id, sessions, items = _copy(vault, target, mark)
     testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still
     # worth having (a recovery kit may hold the key). Checked after the copy, against
@@ -145,12 +149,24 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
         key_problem=key_problem,
         restore=restore_steps(target, kid, key_problem is None),
         audited=audited,
+        backup_id=mark[backupmark.BACKUP_ID],
     )
 
 
-def write_new_copy(target: Path, fill: Callable[[], None]) -> tuple[str, str, int, int]:
+Adjust = Callable[[sqlite3.Connection], None]
+
+
+def mark_as_backup(mark: dict[str, str]) -> Adjust:
+    """The `adjust` of `write_new_copy` that writes a backup's mark into the copy."""
+    return lambda conn: set_meta(conn, **mark)
+
+
+def write_new_copy(
+    target: Path, fill: Callable[[], None], adjust: Adjust
+) -> tuple[str, str, int, int]:
     """Create `target` (new, private, empty), let `fill` write a vault into it, check it is
-    still the file created, settle and check it; (kid, vault_id, sessions, items).
+    still the file created, settle it (`adjust` changes its meta in the settling
+    transaction) and check it; (kid, vault_id, sessions, items).
 
     Anything that fails after the file was created removes it again (and its side files).
     """
@@ -174,17 +190,27 @@ def write_new_copy(target: Path, fill: Callable[[], None]) -> tuple[str, str, in
             raise OperationFailed(
                 f"{target} was replaced while the backup was written; the backup was not made"
             )
-        return _settle(target)
+        return _settle(target, adjust)
     except BaseException:
         _remove(target, created)
         raise
 
 
-def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
-    """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items)."""
+def _copy(vault: Vault, target: Path, mark: dict[str, str]) -> tuple[str, str, int, int]:
+    """VACUUM INTO a new private file, marked as a backup, settled and checked."""
+    return vacuum_copy(vault, target, mark_as_backup(mark), "backup")
+
+
+def vacuum_copy(
+    source: Vault, target: Path, adjust: Adjust, what: str
+) -> tuple[str, str, int, int]:
+    """`write_new_copy` filled by VACUUM INTO from `source`; (kid, vault_id, sessions, items).
+
+    `what` ("backup", "restore") names the copy in messages and test pause points.
+    """
 
     def vacuum_into() -> None:
-        with vault.connection() as conn:
+        with source.connection() as conn:
             # VACUUM INTO accepts an existing empty file and keeps its mode. The
             # connection takes URIs, so the name is passed as one (a '?' or '#' in a
             # path stays part of the name).
@@ -194,15 +220,15 @@ def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
                 if is_busy(exc) or is_damage(exc):
                     raise  # the vault's own state: said as every command says it
                 raise OperationFailed(
-                    f"cannot write the backup {target} ({exc}); nothing was written; check "
+                    f"cannot write the {what} {target} ({exc}); nothing was written; check "
                     "the free space and the permissions of its folder"
                 ) from None
-        testhooks.failpoint("backup-vacuumed")
+        testhooks.failpoint(f"{what}-vacuumed")
 
-    return write_new_copy(target, vacuum_into)
+    return write_new_copy(target, vacuum_into, adjust)
 
 
-def _settle(target: Path) -> tuple[str, str, int, int]:
+def _settle(target: Path, adjust: Adjust) -> tuple[str, str, int, int]:
     """Give the copy the vault's journal mode, mark it scrubbed, and check it.
 
     VACUUM INTO writes a rollback-journal file; `Vault.init` makes WAL files, so the
@@ -218,6 +244,7 @@ def _settle(target: Path) -> tuple[str, str, int, int]:
             conn.execute(
                 "UPDATE memvault_meta SET value = '0' WHERE key = 'scrub_pending' AND value != '0'"
             )
+            adjust(conn)
             conn.execute("COMMIT")
             check = conn.execute("PRAGMA integrity_check").fetchall()
             if check != [("ok",)]:

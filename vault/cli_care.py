@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import click
 
-from .cli import cli, common, emit, open_vault, plural, postgres_url, state
+from .cli import (
+    cli,
+    common,
+    emit,
+    open_vault,
+    plural,
+    postgres_url,
+    state,
+)
 from .errors import KeyProblem, OperationFailed
 
 
@@ -27,9 +35,11 @@ def backup_cmd(dest: str) -> None:
     A vault whose key is missing from this keyring is still backed up, with a
     warning (a recovery kit may hold the key); a revoked vault is refused
     (exit 4). DEST must not exist: an existing file, link or FIFO is refused
-    (exit 2) and left untouched. Do not `memvault shred` a backup you no
-    longer need: it shares the live vault's key until the next rotation, and
-    shred destroys that key; delete the file instead.
+    (exit 2) and left untouched. The copy is marked as a backup: commands that
+    write (rotate, purge, clear, pop, ttl, import, revoke, an agent's session)
+    refuse it; `memvault restore DEST` makes it the live vault again.
+    `memvault --db DEST shred` destroys the copy but keeps the key versions it
+    shares with the live vault.
 
     On a PostgreSQL vault (--db URL), DEST is a new vault file (SQLite) holding
     one snapshot of it, rows as they are, opened with the same keyring entry;

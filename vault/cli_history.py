@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from . import durations
+from .backupmark import refuse_writes
 from .cli import (
     MAX_COUNT,
     SESSION,
@@ -265,6 +266,7 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
       memvault clear carnet-local --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault clear`")  # before anything is asked
     vault.sealer()  # fail on the key before asking anything
     confirm(f"Delete every item of session {session_id!r}?", yes)
     result = vault.clear(session_id, include_unreadable=include_unreadable)

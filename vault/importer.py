@@ -40,7 +40,7 @@ import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import crypto, files, paths, testhooks
+from . import backupmark, crypto, files, paths, testhooks
 from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession
 from .files import Progress
@@ -90,6 +90,7 @@ class Importer:
         messages_table: str | None = None,
         shred_source: bool = False,
     ) -> None:
+        backupmark.refuse_writes(vault, "`memvault import`")
         self.vault = vault
         self.source = Path(os.path.realpath(Path(source).expanduser()))  # SQLite follows links too
         self.session_id = session_id

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import crypto, keyjournal, legacy, testhooks
+from . import backupmark, crypto, keyjournal, legacy, testhooks
 from .db import VaultFile, audit, read_meta, row_batches, set_meta
 from .errors import Interrupted, KeyProblem, KeyRevoked, VaultBusy
 from .files import Progress
@@ -124,7 +124,9 @@ class KeyLifecycle(VaultFile):
         with contextlib.suppress(VaultBusy, KeyProblem), self.connection(timeout=0) as conn:
             conn.execute("BEGIN IMMEDIATE")
             meta = read_meta(conn, self.path)
-            if "revoked_at" in meta:
+            if "revoked_at" in meta or backupmark.is_backup(meta):
+                # A backup's journal is the live vault's at the time: its pending or
+                # retired versions may be the live vault's keys now.
                 return
             for v in keyjournal.versions(conn):
                 if v.state in (PENDING, RETIRED) and v.kid != meta["kid"]:
@@ -181,6 +183,7 @@ class KeyLifecycle(VaultFile):
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it committed."""
+        backupmark.refuse_writes(self, "`memvault rotate`")
         self._rotation_committed = False
         try:
             return self._rotate(progress, scrub)
@@ -321,6 +324,8 @@ class KeyLifecycle(VaultFile):
         Versions the file no longer used (retired by rotations) go too: a backup copy
         restored with an older kit becomes unreadable as well, and is named.
         """
+        # A backup's key versions are the live vault's: revoking them is the live vault's call.
+        backupmark.refuse_writes(self, "`memvault revoke`")
         ks = self.keystore
         ks.check_usable()
         with self.write_transaction() as conn:

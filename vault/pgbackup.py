@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import backup as file_backup
-from . import pgrotate, pgschema
+from . import backupmark, pgrotate, pgschema
 from .db import connect, sqlite_errors
 from .errors import KeyProblem, KeyRevoked, OperationFailed, VaultBusy
 from .keyjournal import CURRENT, DESTROYED
@@ -37,10 +37,13 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     opens the copy with the same keyring entry. Raises BadInput for an unusable
     `dest`, KeyRevoked for a revoked vault, VaultBusy while a rotation is under way.
     """
-    _refuse(vault, vault.meta())
+    meta = vault.meta()
+    _refuse(vault, meta)
     target = file_backup.check_destination(dest)
+    # Marked as a file backup's is: writing commands refuse the copy (vault.backupmark).
+    mark = backupmark.new_mark(meta["vault_id"])
     kid, vault_id, sessions, items = file_backup.write_new_copy(
-        target, lambda: _copy(vault, target)
+        target, lambda: _copy(vault, target), file_backup.mark_as_backup(mark)
     )
     key_problem: str | None = None
     try:
@@ -83,6 +86,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
         key_problem=key_problem,
         restore=restore,
         audited=audited,
+        backup_id=mark[backupmark.BACKUP_ID],
     )
 
 

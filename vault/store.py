@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from . import crypto, durations, files, keyjournal, paths, testhooks
+from . import backupmark, crypto, durations, files, keyjournal, paths, testhooks
 from .db import (
     audit,
     check_header,
@@ -430,6 +430,7 @@ class Vault(KeyLifecycle):
         """Remove the newest `n` items; refuses if one of them does not authenticate."""
         if n <= 0:
             raise OperationFailed("the number of items to pop must be positive")
+        backupmark.refuse_writes(self, "`memvault pop`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
@@ -459,6 +460,7 @@ class Vault(KeyLifecycle):
         evidence, not history: the session is left whole, with ItemsUnreadable, unless
         `include_unreadable`; the result tells how many of those went.
         """
+        backupmark.refuse_writes(self, "`memvault clear`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)
@@ -496,6 +498,7 @@ class Vault(KeyLifecycle):
         return self.scrub()
 
     def set_ttl(self, ttl: int | None) -> None:
+        backupmark.refuse_writes(self, "`memvault ttl`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             old = read_meta(conn, self.path).get("ttl_seconds")
@@ -510,6 +513,7 @@ class Vault(KeyLifecycle):
         whatever the size of the vault. Each item is authenticated (HMAC), never
         decrypted: an expired item is deleted without its plaintext being needed.
         """
+        backupmark.refuse_writes(self, "`memvault purge`")
         sealer = self.sealer()
         deleted = kept = unreadable = 0
         with self.write_transaction() as conn:
