@@ -8,12 +8,15 @@ from __future__ import annotations
 import click
 
 from .cli import (
+    PATH,
     cli,
     common,
+    confirm,
     emit,
     open_vault,
     plural,
     postgres_url,
+    refuse_option,
     state,
 )
 from .errors import KeyProblem, OperationFailed
@@ -174,3 +177,68 @@ def verify_cmd() -> None:
         found = ", ".join(f"{kind} {n}" for kind, n in report.problems.items() if n)
         where = "the JSON document" if state().json else "the list above"
         raise OperationFailed(f"verify found problems in {report.path}: {found}; see {where}")
+
+
+@cli.command("restore")
+@click.argument("backup", metavar="BACKUP", type=PATH)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def restore_cmd(backup: str, yes: bool) -> None:
+    """Make BACKUP (a file `memvault backup` wrote) the live vault at --db.
+
+    BACKUP must be a copy of the vault at --db (same vault id), or of a vault
+    that is no longer there, and every item must authenticate with the keys in
+    this keyring (`memvault --db BACKUP key import KIT` first if it needs an
+    older key). The restored vault is a new compact copy of BACKUP, no longer
+    marked as a backup; BACKUP itself stays as it is.
+
+    Crash-safe: the vault being replaced stays whole under its name until the
+    copy is complete, then is overwritten and deleted; a restore cut off at any
+    point is rolled back or finished by the next command that opens the vault.
+    Refuses (exit 5) while another process has the vault open. Items the
+    vault got after the backup was made are gone once it is restored: export
+    them first if you need them.
+
+    \b
+    Exit codes:
+      1  BACKUP is of another vault, does not verify, or the answer was no
+      3  no vault at BACKUP, or --db names a file that is not a vault
+      4  the keyring cannot open every item of BACKUP
+      5  the vault is in use by another process
+
+    \b
+    Example:
+      memvault restore ~/backups/history-2026-11-30.db
+      memvault --db ~/work/history.db restore /media/usb/history.db --yes
+    """
+    if postgres_url() is not None:
+        refuse_option(
+            "--db URL",
+            "restore",
+            "a PostgreSQL vault is restored with pg_restore; `restore` puts a file back",
+        )
+    from .restore import check, restore
+
+    plan = check(backup, state().db)
+    if plan.replaces:
+        confirm(
+            f"Replace the vault at {plan.path} ({plural(plan.replaced_items or 0, 'item')}) with "
+            f"the backup {plan.source} ({plural(plan.items, 'item')}, made "
+            f"{plan.backed_up_at or 'at an unknown time'})? Items written since are lost",
+            yes,
+        )
+    r = restore(plan)
+
+    def human() -> None:
+        click.echo(
+            f"restored vault {r['vault_id']} at {r['path']} from {r['source']}\n"
+            f"  {plural(r['items'], 'item')} in {plural(r['sessions'], 'session')}, key id "
+            f"{r['kid']}; checked: {', '.join(r['checked'])}\n"
+            + (
+                "  the replaced vault was overwritten and deleted"
+                if r["replaces"]
+                else "  there was no vault at that path"
+            )
+        )
+
+    emit(r, human)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import backupmark, files, keyjournal, paths, testhooks
+from . import backupmark, files, keyjournal, paths, restorestate, testhooks
 from .db import (
     SCRUB_WAIT,
     check_header,
@@ -339,6 +339,7 @@ def shred(
     or device at a side file's name is unlinked without being followed or opened.
     """
     path = paths.resolve_db_path(db)
+    restorestate.finish(path)  # a cut-off restore leaves the vault (and no copy) behind
     header = read_header(path)
     report: dict[str, Any] = {"path": str(path), "resumed": False}
     if not header.startswith((SHRED_MAGIC, SQLITE_MAGIC)):

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from . import backupmark, crypto, durations, files, keyjournal, paths, testhooks
+from . import backupmark, crypto, durations, files, keyjournal, paths, restorestate, testhooks
 from .db import (
     audit,
     check_header,
@@ -192,6 +192,7 @@ class Vault(KeyLifecycle):
     ) -> Vault:
         """Check that the path is a vault; the key is loaded only when needed."""
         path = paths.resolve_db_path(db)
+        restorestate.finish(path)  # a restore cut off: rolled back, or finished
         check_header(path)
         refuse_odd_side_files(path)
         vault = cls(path, keystore)
