@@ -94,6 +94,8 @@ def rotate() -> None:
     with progress(vault.count_items(), "rotating") as bar:
         report = vault.rotate(progress=bar)
     c = report.counts
+    # Its own field: a kit made before this rotation lacks the new key.
+    c["kit_reminder"] = "older recovery kits no longer match: run `memvault key export` again"
     note = ""
     if _on_postgres(vault):
         from .pg import PG_ROTATE_NOTE
@@ -107,7 +109,7 @@ def rotate() -> None:
             f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
-            "  older recovery kits no longer match: run `memvault key export` again" + note
+            f"  {c['kit_reminder']}" + note
         ),
     )
     check_scrub(report.scrubbed)

@@ -1,4 +1,4 @@
-"""`memvault key`: the recovery kit (export and import). Logic in vault.kit,
+"""`memvault key`: the recovery kit (export and import). Logic in vault.kitops,
 imported inside each command.
 """
 
@@ -261,7 +261,8 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
       memvault key export --passphrase-file pass.txt kit.json
       printf %s "$PASS" | memvault key export --passphrase-stdin kit.json
     """
-    from .kit import SHORT_PASSPHRASE, check_passphrase, export_kit
+    from .kit import SHORT_PASSPHRASE, check_passphrase
+    from .kitops import export_kit
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
     vault = open_any()
@@ -316,7 +317,7 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
       memvault --db ~/history.db key import ~/memvault-kit.json
       printf %s "$PASS" | memvault key import --passphrase-stdin kit.json
     """
-    from .kit import import_kit
+    from .kitops import import_kit
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
     vault = open_any()
