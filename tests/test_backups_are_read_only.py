@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import add_items, keyring_entries, run_cli, user
+from tests.pgserver import MARKS as PG_MARKS
 from tests.test_rotation import one_line_error
 from vault import Vault
 
@@ -170,3 +171,22 @@ def test_shredding_a_backup_keeps_the_keys_the_live_vault_uses(
     assert run_cli("backup", str(second)).code == 0
     r = run_cli("--db", str(second), "shred", "--yes")
     assert r.code == 0 and f"key kept: this file was a backup of vault {vault.vault_id}" in r.out, r
+
+
+@PG_MARKS[0]
+@PG_MARKS[1]
+def test_a_postgresql_backup_is_marked_and_refuses_writes(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    dest = tmp_path / "pg-copy.db"
+    r = run_cli("--db", pg_url, "--json", "backup", str(dest))
+    assert r.code == 0, r
+    meta = meta_of(dest)
+    assert meta["backup_of"] == pg_vault.vault_id and meta["backup_id"] == r.json()["backup_id"]
+    before = digest(dest)
+    r = run_cli("--db", str(dest), "ttl", "7d")
+    assert r.code == 1 and "is a backup of vault" in one_line_error(r), r
+    r = run_cli("--db", str(dest), "rotate")
+    assert r.code == 1 and "memvault restore" in one_line_error(r), r
+    assert digest(dest) == before
+    assert run_cli("--db", str(dest), "verify").code == 0
