@@ -123,6 +123,8 @@ def test_reading_commands_work_on_a_backup(
     assert r.code == 0, r
     if command in ("show", "export", "search"):
         assert "NORD-17" in r.out
+    if command == "status":  # it says what the file is, and the way back
+        assert f"backup     of vault {vault.vault_id}" in r.out and "memvault restore" in r.out
 
 
 def test_an_agent_session_reads_a_backup_but_never_writes_to_it(

@@ -232,3 +232,27 @@ def test_a_restore_killed_at_random_instants_leaves_one_whole_vault(
         )
     assert run_cli("verify").code == 0, seed
     print(f"seed {seed}: {outcomes}")
+
+
+def test_after_a_restore_shred_still_destroys_the_replaced_vaults_keys(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """The live vault rotated after the backup: its new key is named in the restored
+    vault's journal, so no keyring entry is orphaned."""
+    from tests.conftest import keyring_entries
+    from tests.test_kit import export, import_
+
+    vault_id = vault.vault_id
+    dest = live_and_backup(vault_db, tmp_path)
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    assert run_cli("rotate").code == 0
+    rotated_kid = meta_of(vault_db)["kid"]
+    assert import_(kit, "--db", str(dest)).code == 0  # the backup's key, back in the keyring
+    r = run_cli("restore", str(dest), "--yes")
+    assert r.code == 0, r
+    assert contents(vault_db) == ["one"]
+    listed = {k["kid"] for k in run_cli("--json", "key", "list").json()["keys"]}
+    assert rotated_kid in listed
+    assert run_cli("shred", "--yes").code == 0
+    assert keyring_entries(vault_id) == {}

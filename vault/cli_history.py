@@ -120,6 +120,11 @@ def status() -> None:
                 f"{st['rotation']['done_through_id']} done); both keys read; if no rotation "
                 "is running, `memvault rotate` finishes it"
             )
+        if st.get("backup_of"):
+            click.echo(
+                f"backup     of vault {st['backup_of']}, made {st['backed_up_at']}: commands "
+                "that write refuse it; `memvault restore` makes it the live vault"
+            )
         if st.get("shred_interrupted"):
             click.echo("shred      interrupted: run `memvault shred` again to finish it")
 

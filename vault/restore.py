@@ -37,7 +37,7 @@ from . import backupmark, files, keyjournal, paths, testhooks
 from .backup import vacuum_copy
 from .db import SCRUB_WAIT, audit, connect, is_busy, read_meta, set_meta, sqlite_errors
 from .errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
-from .keyjournal import DESTROYED
+from .keyjournal import DESTROYED, PENDING, RETIRED
 from .restorestate import destroy_with_sides, finish, finish_locked, folder_lock, state_names
 from .store import Vault
 from .verify import verify
@@ -203,12 +203,17 @@ def _copy(
     """Write the restored vault as `new`: the backup's rows, unmarked, its journal
     naming the replaced vault's key versions too, the restore audited."""
 
+    kept = RETAINED if RETAINED in keyjournal.STATES else DESTROYED
+
     def adjust(conn: sqlite3.Connection) -> None:
         conn.execute("DELETE FROM memvault_meta WHERE key IN (?, ?, ?)", backupmark.MARK)
-        known = {v.kid for v in keyjournal.versions(conn)}
+        known = {v.kid: v.state for v in keyjournal.versions(conn)}
         for v in replaced:
-            if v.kid not in known:
-                kept = RETAINED if RETAINED in keyjournal.STATES else DESTROYED
+            if v.kid in known and known[v.kid] in (PENDING, RETIRED) and v.state != PENDING:
+                # Staged or retired when the backup was made, used by the replaced vault
+                # since: the next open's tidy must not delete its entry.
+                keyjournal.record(conn, v.kid, DESTROYED if v.state == DESTROYED else kept)
+            elif v.kid not in known:
                 keyjournal.record(
                     conn, v.kid, DESTROYED if v.state == DESTROYED else kept, v.created_at
                 )

@@ -401,6 +401,8 @@ class Vault(KeyLifecycle):
             "rotated_at": meta.get("rotated_at"),
             "scrub_pending": meta.get("scrub_pending") == "1",
             "shred_interrupted": "shred_started" in meta,
+            "backup_of": meta.get(backupmark.BACKUP_OF),  # None: the live vault, not a backup
+            "backed_up_at": meta.get(backupmark.BACKED_UP_AT),
             "keyring": None,
             "key": None,
         }
