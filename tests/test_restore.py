@@ -256,3 +256,18 @@ def test_after_a_restore_shred_still_destroys_the_replaced_vaults_keys(
     assert rotated_kid in listed
     assert run_cli("shred", "--yes").code == 0
     assert keyring_entries(vault_id) == {}
+
+
+@pytest.mark.parametrize("step", ["restore-copied", "restore-renamed"])
+def test_a_restore_into_an_empty_path_killed_leaves_no_vault_or_a_whole_one(
+    vault: Vault, vault_db: Path, tmp_path: Path, step: str
+) -> None:
+    dest = live_and_backup(vault_db, tmp_path)
+    elsewhere = tmp_path / "new-home" / "history.db"
+    assert killed_restore(elsewhere, dest, step, None) == -signal.SIGKILL
+    if step == "restore-renamed":  # linked into place: the restore is done
+        assert contents(elsewhere) == ["one"]
+    else:
+        r = run_cli("--db", str(elsewhere), "status")
+        assert r.code == 3, r
+    assert leftovers(elsewhere) == []

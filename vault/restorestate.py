@@ -82,7 +82,11 @@ def finish(live: Path) -> str | None:
 def finish_locked(live: Path) -> str | None:
     new, old = state_names(live)
     done = None
-    if os.path.lexists(new):
+    if _same_file(new, live):
+        # A restore into an empty path, cut off after linking its copy into place.
+        os.unlink(new)
+        done = "finished"
+    elif os.path.lexists(new):
         # Cut off before the rename: the old vault is still the live one.
         if _same_file(old, live):
             os.unlink(old)  # only a second name of the live vault
