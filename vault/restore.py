@@ -141,32 +141,61 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
         if not held:
             raise OperationFailed(f"cannot lock the folder {folder}; nothing was changed")
         finish_locked(live)
-        if plan.replaces:
-            with _exclusive(live) as conn:
-                versions = keyjournal.versions(conn)
-                replaced_kid = read_meta(conn, live)["kid"]
-                _copy(src, new, plan, versions, replaced_kid)
-            # The lock's connection is closed: its WAL is checkpointed and removed.
-            _swap(live, new)
-        else:
-            leftovers = [p for p in paths.sidecars(live)[1:] if os.path.lexists(p)]
-            if leftovers:
-                raise OperationFailed(
-                    f"{leftovers[0]} exists without its database; move it away before "
-                    "restoring a vault there; nothing was changed"
-                )
-            _copy(src, new, plan, [], None)
-            try:
-                os.link(new, live)  # never over a file that appeared meanwhile
-            except FileExistsError:
-                destroy_with_sides(new)
-                raise OperationFailed(
-                    f"a file appeared at {live} during the restore; nothing was changed"
-                ) from None
-            testhooks.failpoint("restore-renamed")
-            os.unlink(new)
-            files.fsync_dir(folder)
+        try:
+            _restore_locked(plan, live, src, new)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                finish_locked(live)  # back to the vault as it was
+            raise OperationFailed(
+                f"the restore failed ({exc.strerror} on {exc.filename or live}); the vault "
+                "is as it was; check the folder's permissions and free space"
+            ) from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                finish_locked(live)  # back to the vault as it was, or finished if committed
+            raise
     return {**plan.as_dict(), "restored": True}
+
+
+def _restore_locked(plan: RestorePlan, live: Path, src: Path, new: Path) -> None:
+    folder = live.absolute().parent
+    if plan.replaces:
+        if not os.path.lexists(live):
+            raise OperationFailed(f"the vault at {live} went away during the restore")
+        with _exclusive(live) as conn:
+            meta = read_meta(conn, live)
+            if meta["vault_id"] != plan.vault_id:
+                raise OperationFailed(
+                    f"{live} was replaced by vault {meta['vault_id']} during the restore; "
+                    "nothing was changed"
+                )
+            versions = keyjournal.versions(conn)
+            _copy(src, new, plan, versions, meta["kid"])
+        # The lock's connection is closed: its WAL is checkpointed and removed.
+        _swap(live, new)
+    else:
+        leftovers = [p for p in paths.sidecars(live)[1:] if os.path.lexists(p)]
+        if leftovers:
+            raise OperationFailed(
+                f"{leftovers[0]} exists without its database; move it away before "
+                "restoring a vault there; nothing was changed"
+            )
+        _copy(src, new, plan, [], None)
+        try:
+            os.link(new, live)  # never over a file that appeared meanwhile
+        except FileExistsError:
+            destroy_with_sides(new)
+            raise OperationFailed(
+                f"a file appeared at {live} during the restore; nothing was changed"
+            ) from None
+        except OSError:  # a file system without hard links
+            if os.path.lexists(live):
+                raise
+            os.rename(new, live)
+        testhooks.failpoint("restore-renamed")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(new)
+        files.fsync_dir(folder)
 
 
 @contextlib.contextmanager
@@ -249,10 +278,16 @@ def _swap(live: Path, new: Path) -> None:
             f"{opened[0]} appeared: another process opened {live} during the restore; close "
             "it and run restore again; nothing was changed"
         )
-    os.link(live, old)
+    try:
+        os.link(live, old)
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links: moved aside instead
+        os.rename(live, old)
     testhooks.failpoint("restore-linked")
     os.replace(new, live)  # the commit point
     files.fsync_dir(folder)
     testhooks.failpoint("restore-renamed")
-    destroy_with_sides(old)
-    files.fsync_dir(folder)
+    with contextlib.suppress(OSError):  # committed: the next open finishes what is left
+        destroy_with_sides(old)
+        files.fsync_dir(folder)

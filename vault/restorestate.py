@@ -90,6 +90,8 @@ def finish_locked(live: Path) -> str | None:
         # Cut off before the rename: the old vault is still the live one.
         if _same_file(old, live):
             os.unlink(old)  # only a second name of the live vault
+        elif os.path.lexists(old) and not os.path.lexists(live):
+            os.rename(old, live)  # moved aside (no hard links here): put back
         destroy_with_sides(new)
         done = "rolled back"
     elif os.path.lexists(old):
