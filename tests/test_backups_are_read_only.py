@@ -192,3 +192,27 @@ def test_a_postgresql_backup_is_marked_and_refuses_writes(
     assert r.code == 1 and "memvault restore" in one_line_error(r), r
     assert digest(dest) == before
     assert run_cli("--db", str(dest), "verify").code == 0
+
+
+def test_opening_a_backup_never_deletes_a_key_the_live_vault_may_use(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A backup taken while a rotation was staged lists its new key as pending. The live
+    vault may use that key by now: opening the backup must not tidy its entry away."""
+    from vault import crypto
+    from vault.keyjournal import entry_name
+
+    dest, _ = backed_up(vault_db, tmp_path)
+    staged = crypto.generate_key()
+    kid = crypto.key_id(staged)
+    vault.keystore.set(entry_name(vault.vault_id, kid), staged)
+    with contextlib.closing(sqlite3.connect(dest)) as conn:
+        conn.execute(
+            "INSERT INTO memvault_keys (kid, state, created_at, changed_at) "
+            "VALUES (?, 'pending', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z')",
+            (kid,),
+        )
+        conn.commit()
+    for args in (["status"], ["show", "s"], ["key", "list"]):
+        assert run_cli("--db", str(dest), *args).code == 0
+    assert vault.keystore.get(entry_name(vault.vault_id, kid)) == staged
