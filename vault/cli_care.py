@@ -184,10 +184,12 @@ def verify_cmd() -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @common
 def restore_cmd(backup: str, yes: bool) -> None:
-    """Make BACKUP (a file `memvault backup` wrote) the live vault at --db.
+    """Make BACKUP (a file `memvault backup` wrote, or a copy) the live vault at --db.
 
     BACKUP must be a copy of the vault at --db (same vault id), or of a vault
-    that is no longer there, and every item must authenticate with the keys in
+    that is no longer there (restore to a path with no vault only when the
+    original is gone: both would share one set of keys), and every item must
+    authenticate with the keys in
     this keyring (`memvault --db BACKUP key import KIT` first if it needs an
     older key). The restored vault is a new compact copy of BACKUP, no longer
     marked as a backup; BACKUP itself stays as it is.
