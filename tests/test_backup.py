@@ -349,19 +349,6 @@ def test_a_vault_whose_key_is_missing_is_still_backed_up_with_a_warning(
         assert copy.items(sid) == (items, 0, 0)
 
 
-def test_shredding_a_backup_destroys_the_key_it_shares_with_the_live_vault(
-    vault: Vault, vault_db: Path, tmp_path: Path
-) -> None:
-    """Why the docs say: throw a backup away by deleting it, not with `shred`."""
-    filled(vault_db)
-    dest = tmp_path / "backup.db"
-    assert run_cli("backup", str(dest)).code == 0
-    assert run_cli("--db", str(dest), "shred", "--yes").code == 0
-    r = run_cli("show", "work")
-    assert r.code == 4, r  # the live vault's key went with the backup
-    assert "no key" in one_line_error(r)
-
-
 def test_a_backup_that_cannot_be_written_leaves_nothing_behind(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:

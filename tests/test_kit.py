@@ -86,8 +86,8 @@ def test_new_laptop_round_trip(vault: Any, vault_db: Path, tmp_path: Path) -> No
     assert r_export.code == 0, r_export
     assert stat.S_IMODE(kit.stat().st_mode) == 0o600
     doc = json.loads(kit.read_text())
-    assert doc["version"] == 1 and doc["vault_id"] == vault.vault_id
-    assert doc["kid"] == vault.meta()["kid"]
+    assert doc["version"] == 2 and doc["vault_id"] == vault.vault_id
+    assert doc["kid"] == vault.meta()["kid"] and doc["kids"] == [doc["kid"]]
     assert doc["kdf"]["name"] == "scrypt" and doc["kdf"]["n"] >= 2**14
     assert {"salt", "n", "r", "p"} <= set(doc["kdf"]) and doc["nonce"] and doc["ciphertext"]
     assert key not in kit.read_text()
@@ -267,7 +267,7 @@ def test_kit_from_before_a_rotation(vault: Any, vault_db: Path, tmp_path: Path) 
 
     # Claiming the new key id in the header does not help: it is authenticated data.
     doc = json.loads(kit.read_text())
-    doc["kid"] = new_kid
+    doc["kid"], doc["kids"] = new_kid, [new_kid]
     forged = tmp_path / "forged.json"
     forged.write_text(json.dumps(doc))
     r = import_(forged)
@@ -403,7 +403,7 @@ def test_a_revoke_or_shred_racing_an_import_leaves_no_key_behind(
     vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any, command: str, says: str
 ) -> None:
     from vault.errors import VaultError
-    from vault.kit import import_kit
+    from vault.kitops import import_kit
 
     kit = tmp_path / "kit.json"
     assert export(kit).code == 0

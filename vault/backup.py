@@ -11,7 +11,9 @@ The copy keeps the vault id and the key id: it opens with the same keyring
 key, and no key is ever copied. Every backup is recorded in the live vault first
 (vault.retention): while the record exists, a rotation keeps the backup's key
 version (retained) instead of destroying it. A backup whose record cannot be
-written is not made, or is removed again. A vault whose key is missing (new keyring, lost
+written is not made, or is removed again. The copy is marked as a backup
+(vault.backupmark): writing commands refuse it until `memvault restore` makes it
+the live vault. A vault whose key is missing (new keyring, lost
 entry) is still backed up, since a recovery kit may hold its key; the result
 says so. A revoked vault is refused: nothing can ever read its copy.
 """
@@ -28,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import files, paths, retention, testhooks
+from . import backupmark, files, paths, retention, testhooks
 from .crypto import Sealer
-from .db import connect, is_busy, is_damage, sqlite_errors
+from .db import connect, is_busy, is_damage, set_meta, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
 from .keyjournal import DESTROYED, PENDING
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC
@@ -141,7 +143,11 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
         )
     target = check_destination(dest)
     rec, (kid, vault_id, sessions, items) = recorded_copy(
-        vault, target, lambda rec, keep: _copy(vault, target, rec.backup_id, keep)
+        vault,
+        target,
+        lambda rec, keep: vacuum_copy(
+            vault, target, mark_as_backup(meta["vault_id"], rec.backup_id), "backup", keep
+        ),
     )
     testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still
@@ -170,6 +176,24 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
         audited=audited,
         backup_id=rec.backup_id,
     )
+
+
+Adjust = Callable[[sqlite3.Connection], None]
+
+
+def mark_as_backup(vault_id: str, backup_id: str) -> Adjust:
+    """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id`.
+
+    The mark names the copy as the live vault's record names it. A pending version is
+    the live vault's rotation in flight: the copy's tidy-up on open would delete its
+    entry under that rotation's feet (pgbackup never copies one either).
+    """
+
+    def adjust(conn: sqlite3.Connection) -> None:
+        conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
+        set_meta(conn, **backupmark.new_mark(vault_id, backup_id))
+
+    return adjust
 
 
 TEMP_TAG = "backup"  # built as `.memvault-backup-*` beside the target, then linked into place
@@ -224,7 +248,7 @@ def recorded_copy(
 def write_new_copy(
     target: Path,
     fill: Callable[[Path], None],
-    backup_id: str = "",
+    adjust: Adjust,
     keep: Callable[[str], None] | None = None,
 ) -> Copy:
     """Let `fill` write a vault into a new private file beside `target`, settle and check
@@ -234,7 +258,8 @@ def write_new_copy(
     most a temporary file, which the next backup into that folder removes. Anything that
     fails removes the temporary file (and its side files); `target` is never replaced.
 
-    The copy's meta gets `backup_id`; `keep(kid)` may still refuse the settled copy.
+    `adjust` changes the copy's meta in the settling transaction; `keep(kid)` may still
+    refuse the settled copy.
     """
     folder = target.absolute().parent
     files.remove_stale_temps(folder, TEMP_TAG, _looks_like_backup, paths.sidecars)
@@ -253,7 +278,7 @@ def write_new_copy(
             raise OperationFailed(
                 f"{tmp} was replaced while the backup was written; the backup was not made"
             )
-        result = _settle(tmp, backup_id)
+        result = _settle(tmp, adjust)
         if keep is not None:
             keep(result[0])
         testhooks.failpoint("backup-settled")
@@ -279,13 +304,20 @@ def write_new_copy(
         os.close(fd)  # last: the lock tells another backup this file is being written
 
 
-def _copy(
-    vault: Vault, target: Path, backup_id: str, keep: Callable[[str], None]
-) -> tuple[str, str, int, int]:
-    """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items)."""
+def vacuum_copy(
+    source: Vault,
+    target: Path,
+    adjust: Adjust,
+    what: str,
+    keep: Callable[[str], None] | None = None,
+) -> Copy:
+    """`write_new_copy` filled by VACUUM INTO from `source`; (kid, vault_id, sessions, items).
+
+    `what` ("backup", "restore") names the copy in messages and test pause points.
+    """
 
     def vacuum_into(dest: Path) -> None:
-        with vault.connection() as conn:
+        with source.connection() as conn:
             # VACUUM INTO accepts an existing empty file and keeps its mode. The
             # connection takes URIs, so the name is passed as one (a '?' or '#' in a
             # path stays part of the name).
@@ -295,15 +327,15 @@ def _copy(
                 if is_busy(exc) or is_damage(exc):
                     raise  # the vault's own state: said as every command says it
                 raise OperationFailed(
-                    f"cannot write the backup {target} ({exc}); nothing was written; check "
+                    f"cannot write the {what} {target} ({exc}); nothing was written; check "
                     "the free space and the permissions of its folder"
                 ) from None
-        testhooks.failpoint("backup-vacuumed")
+        testhooks.failpoint(f"{what}-vacuumed")
 
-    return write_new_copy(target, vacuum_into, backup_id, keep)
+    return write_new_copy(target, vacuum_into, adjust, keep)
 
 
-def _settle(target: Path, backup_id: str) -> tuple[str, str, int, int]:
+def _settle(target: Path, adjust: Adjust) -> tuple[str, str, int, int]:
     """Give the copy the vault's journal mode, mark it scrubbed, and check it.
 
     VACUUM INTO writes a rollback-journal file; `Vault.init` makes WAL files, so the
@@ -319,15 +351,7 @@ def _settle(target: Path, backup_id: str) -> tuple[str, str, int, int]:
             conn.execute(
                 "UPDATE memvault_meta SET value = '0' WHERE key = 'scrub_pending' AND value != '0'"
             )
-            # A pending version is the live vault's rotation in flight: the copy's tidy-up
-            # on open would delete its entry under that rotation's feet (pgbackup never
-            # copies one either).
-            conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
-            if backup_id:  # the copy names itself, as the live vault's record names it
-                conn.execute(
-                    "INSERT OR REPLACE INTO memvault_meta (key, value) VALUES (?, ?)",
-                    (retention.BACKUP_ID, backup_id),
-                )
+            adjust(conn)
             conn.execute("COMMIT")
             check = conn.execute("PRAGMA integrity_check").fetchall()
             if check != [("ok",)]:

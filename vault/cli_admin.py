@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from .backupmark import refuse_writes
 from .cli import (
     PATH,
     check_scrub,
@@ -37,6 +38,7 @@ def purge(yes: bool) -> None:
       memvault purge --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault purge`")  # before anything is asked
     vault.sealer()
     if not yes:
         # Counted from timestamps (unverified): purge itself deletes only what authenticates.
@@ -107,6 +109,8 @@ def rotate(yes: bool) -> None:
     with progress(vault.count_items(), "rotating") as bar:
         report = vault.rotate(progress=bar)
     c = report.counts
+    # Its own field: a kit made before this rotation lacks the new key.
+    c["kit_reminder"] = "older recovery kits no longer match: run `memvault key export` again"
     note = ""
     if _on_postgres(vault):
         from .pg import PG_ROTATE_NOTE
@@ -120,9 +124,7 @@ def rotate(yes: bool) -> None:
             f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
-            "  older recovery kits no longer match: run `memvault key export` again"
-            + note
-            + _kept_note(c)
+            f"  {c['kit_reminder']}" + note + _kept_note(c)
         ),
     )
     check_scrub(report.scrubbed)
@@ -142,6 +144,7 @@ def revoke(yes: bool) -> None:
       memvault revoke --yes && memvault shred --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault revoke`")  # before anything is asked
     confirm(
         f"Destroy the key of the vault {vault.path}? Its history can never be read again",
         yes,
@@ -296,6 +299,8 @@ def _shred_summary(r: dict[str, Any]) -> str:
     else:
         counts = f"{r['items']} item(s) in {r['sessions']} session(s)"
     key = f"destroyed ({_kids(r)})" if r.get("key_destroyed") else "already gone"
+    if r.get("keys_kept"):
+        key = r["keys_kept"]
     if r.get("key_problem"):
         key = f"not destroyed: {r['key_problem']}"
     return f"shredded {r['path']}: {counts}; key {key}; files " + ", ".join(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from . import durations
+from .backupmark import refuse_writes
 from .cli import (
     COUNT,
     SESSION,
@@ -122,6 +123,11 @@ def status() -> None:
                 f"rotation   in progress from {st['rotation']['from_kid']} (rows up to id "
                 f"{st['rotation']['done_through_id']} done); both keys read; if no rotation "
                 "is running, `memvault rotate` finishes it"
+            )
+        if st.get("backup_of"):
+            click.echo(
+                f"backup     of vault {st['backup_of']}, made {st['backed_up_at']}: commands "
+                "that write refuse it; `memvault restore` makes it the live vault"
             )
         if st.get("shred_interrupted"):
             click.echo("shred      interrupted: run `memvault shred` again to finish it")
@@ -322,6 +328,7 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
       memvault clear carnet-local --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault clear`")  # before anything is asked
     vault.sealer()  # fail on the key before asking anything
     confirm(f"Delete every item of session {session_id!r}?", yes)
     result = vault.clear(session_id, include_unreadable=include_unreadable)

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import crypto, files, paths, source_shred, testhooks
+from . import backupmark, crypto, files, paths, source_shred, testhooks
 from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession
 from .files import Progress
@@ -80,6 +80,7 @@ class Importer:
         messages_table: str | None = None,
         shred_source: bool = False,
     ) -> None:
+        backupmark.refuse_writes(vault, "`memvault import`")
         self.vault = vault
         self.source = Path(os.path.realpath(Path(source).expanduser()))  # SQLite follows links too
         self.session_id = session_id

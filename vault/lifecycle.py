@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import crypto, keyjournal, legacy, retention, testhooks
+from . import backupmark, crypto, keyjournal, legacy, retention, testhooks
 from .db import audit, read_meta, row_batches, set_meta
 from .errors import Interrupted, KeyProblem, VaultBusy
 from .files import Progress
@@ -125,7 +125,9 @@ class KeyLifecycle(KeptVersions):
         with contextlib.suppress(VaultBusy, KeyProblem), self.connection(timeout=0) as conn:
             conn.execute("BEGIN IMMEDIATE")
             meta = read_meta(conn, self.path)
-            if "revoked_at" in meta:
+            if "revoked_at" in meta or backupmark.is_backup(meta):
+                # A backup's journal is the live vault's at the time: its pending or
+                # retired versions may be the live vault's keys now.
                 return
             recs = retention.records(conn)
             for v in keyjournal.versions(conn):
@@ -188,6 +190,7 @@ class KeyLifecycle(KeptVersions):
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it committed."""
+        backupmark.refuse_writes(self, "`memvault rotate`")
         self._rotation_committed = False
         try:
             return self._rotate(progress, scrub)
@@ -342,6 +345,8 @@ class KeyLifecycle(KeptVersions):
         Versions the file no longer used (retired by rotations) go too: a backup copy
         restored with an older kit becomes unreadable as well, and is named.
         """
+        # A backup's key versions are the live vault's: revoking them is the live vault's call.
+        backupmark.refuse_writes(self, "`memvault revoke`")
         ks = self.keystore
         ks.check_usable()
         with self.write_transaction() as conn:

@@ -37,14 +37,19 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     opens the copy with the same keyring entry. Raises BadInput for an unusable
     `dest`, KeyRevoked for a revoked vault, VaultBusy while a rotation is under way.
     """
-    _refuse(vault, vault.meta())
+    meta = vault.meta()
+    _refuse(vault, meta)
     target = file_backup.check_destination(dest)
-    # Recorded in the vault first, as a file vault's backup is (vault.backup.recorded_copy).
+    # Recorded in the vault first, and marked, as a file vault's backup is
+    # (vault.backup.recorded_copy, vault.backupmark).
     rec, (kid, vault_id, sessions, items) = file_backup.recorded_copy(
         vault,
         target,
         lambda rec, keep: file_backup.write_new_copy(
-            target, lambda dest: _copy(vault, dest), rec.backup_id, keep
+            target,
+            lambda dest: _copy(vault, dest),
+            file_backup.mark_as_backup(meta["vault_id"], rec.backup_id),
+            keep,
         ),
     )
     key_problem = file_backup.key_check(vault, rec, kid)

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from . import files
+from .backupmark import BACKUP_ID  # the backup's own name; its record holds the same
 from .keyjournal import CURRENT, DESTROYED, RETAINED
 from .schema import SQLITE_MAGIC, utcnow
 
-# The backup's own meta row naming it; the live vault's record holds the same value.
-BACKUP_ID = "backup_id"
 PRESENT, MISSING, REPLACED = "present", "missing", "replaced"
 # Looking at a recorded backup never waits long: another process may be writing it.
 PEEK_TIMEOUT = 1.0

@@ -60,6 +60,7 @@ from agents.extensions.memory import EncryptedSession
 from cryptography.fernet import InvalidToken
 
 from . import crypto
+from .backupmark import is_backup, refuse
 from .db import configure, is_busy, lock_timeout, parse_ttl, translate
 from .errors import NotAVault, UnknownSession, VaultError
 from .schema import GUARD_MESSAGE
@@ -236,6 +237,9 @@ class VaultSession(EncryptedSession):
     ) -> None:
         sealer = vault.sealer()
         self._vault = vault
+        # Read once: a restore puts a new file at the path, which this session refuses.
+        meta = vault.meta()
+        self._backup_meta = meta if is_backup(meta) else None
         self._db_path: Path = vault.path
         underlying = VaultSQLiteSession(session_id, vault.path, session_settings)
         super().__init__(
@@ -307,7 +311,12 @@ class VaultSession(EncryptedSession):
             if self._kid == kid:
                 return items
 
+    def _refuse_backup(self, doing: str) -> None:
+        if self._backup_meta is not None:
+            refuse(self._backup_meta, self._db_path, doing)
+
     async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
+        self._refuse_backup("an agent session's add_items")
         deadline = time.monotonic() + lock_timeout()
         while True:
             sealed_with = self._kid
@@ -329,6 +338,7 @@ class VaultSession(EncryptedSession):
                 raise sdk_error(exc, self._db_path) from exc
 
     async def pop_item(self, *, wrapper: Any = None) -> Any:
+        self._refuse_backup("an agent session's pop_item")
         underlying: VaultSQLiteSession = self.underlying_session  # type: ignore[assignment]
         underlying.deleted = False
         try:

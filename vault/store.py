@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from . import crypto, durations, paths, testhooks
+from . import backupmark, crypto, durations, paths, restorestate, testhooks
 from .db import (
     audit,
     check_header,
@@ -120,6 +120,7 @@ class Vault(KeyLifecycle):
     ) -> Vault:
         """Check that the path is a vault; the key is loaded only when needed."""
         path = paths.resolve_db_path(db)
+        restorestate.finish(path)  # a restore cut off: rolled back, or finished
         check_header(path)
         refuse_odd_side_files(path)
         vault = cls(path, keystore)
@@ -329,6 +330,8 @@ class Vault(KeyLifecycle):
             "rotated_at": rotated,
             "scrub_pending": meta.get("scrub_pending") == "1",
             "shred_interrupted": "shred_started" in meta,
+            "backup_of": meta.get(backupmark.BACKUP_OF),  # None: the live vault, not a backup
+            "backed_up_at": meta.get(backupmark.BACKED_UP_AT),
             "keyring": None,
             "key": None,
         }
@@ -359,6 +362,7 @@ class Vault(KeyLifecycle):
         """Remove the newest `n` items; refuses if one of them does not authenticate."""
         if n <= 0:
             raise OperationFailed("the number of items to pop must be positive")
+        backupmark.refuse_writes(self, "`memvault pop`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
@@ -388,6 +392,7 @@ class Vault(KeyLifecycle):
         evidence, not history: the session is left whole, with ItemsUnreadable, unless
         `include_unreadable`; the result tells how many of those went.
         """
+        backupmark.refuse_writes(self, "`memvault clear`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)
@@ -425,6 +430,7 @@ class Vault(KeyLifecycle):
         return self.scrub()
 
     def set_ttl(self, ttl: int | None) -> None:
+        backupmark.refuse_writes(self, "`memvault ttl`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             old = read_meta(conn, self.path).get("ttl_seconds")
@@ -439,6 +445,7 @@ class Vault(KeyLifecycle):
         whatever the size of the vault. Each item is authenticated (HMAC), never
         decrypted: an expired item is deleted without its plaintext being needed.
         """
+        backupmark.refuse_writes(self, "`memvault purge`")
         sealer = self.sealer()
         deleted = kept = unreadable = 0
         with self.write_transaction() as conn:
