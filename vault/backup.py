@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import files, paths, testhooks
+from . import files, paths, targets, testhooks
 from .db import connect, is_busy, is_damage, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE
@@ -60,14 +60,15 @@ class BackupResult:
         return asdict(self)
 
 
-def check_destination(dest: str | os.PathLike[str]) -> Path:
-    """Refuse (exit 2) a DEST that exists in any form, or whose side files exist.
+def check_destination(dest: str | os.PathLike[str], vault_path: Path | None) -> Path:
+    """Refuse (exit 2) a DEST that exists in any form, or whose side files exist, or
+    that is the vault at `vault_path` or one of its side files (by any name).
 
     SQLite would write through a `-wal` or `-journal` link left beside DEST.
     """
     # SQLite takes the name as text: bytes that are not UTF-8 are refused up front.
     paths.require_text_path(dest, "the backup path")
-    target = files.check_new_file(dest, "backup")
+    target = targets.check_target(dest, "backup", vault_path)
     for side in paths.sidecars(target)[1:]:
         if os.path.lexists(side):
             raise BadInput(
@@ -108,7 +109,7 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
             f"a shred of {vault.path} was interrupted; run `memvault shred` again to finish "
             "it; nothing was written"
         )
-    target = check_destination(dest)
+    target = check_destination(dest, vault.path)
     kid, vault_id, sessions, items = _copy(vault, target)
     testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still

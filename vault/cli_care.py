@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from .cli import cli, common, emit, open_vault, plural, postgres_url, state
+from .cli import cli, common, emit, open_vault, plural, postgres_url, refuse_vault_target, state
 from .errors import KeyProblem, OperationFailed
 
 
@@ -27,7 +27,8 @@ def backup_cmd(dest: str) -> None:
     A vault whose key is missing from this keyring is still backed up, with a
     warning (a recovery kit may hold the key); a revoked vault is refused
     (exit 4). DEST must not exist: an existing file, link or FIFO is refused
-    (exit 2) and left untouched. Do not `memvault shred` a backup you no
+    (exit 2) and left untouched, and so is the vault itself or its -wal, -shm
+    or -journal, by any name (a link, a relative path). Do not `memvault shred` a backup you no
     longer need: it shares the live vault's key until the next rotation, and
     shred destroys that key; delete the file instead.
 
@@ -40,6 +41,9 @@ def backup_cmd(dest: str) -> None:
       memvault backup ~/backups/history-2026-11-30.db
       memvault --json backup /media/usb/history.db
     """
+    from .targets import over_vault
+
+    refuse_vault_target(dest, over_vault("backup"))
     url = postgres_url()
     if url is not None:
         from .pg import PgVault

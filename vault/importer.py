@@ -40,7 +40,7 @@ import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import crypto, files, paths, testhooks
+from . import crypto, files, paths, targets, testhooks
 from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession
 from .files import Progress
@@ -127,12 +127,11 @@ class Importer:
     def _check_file(self) -> None:
         src = self.source
         paths.require_text_path(src, "the source path")
+        targets.refuse_vault_file(src, targets.vault_path_of(self.vault), targets.NOT_A_SOURCE)
         if not src.exists():
             raise BadInput(f"no file at {src}; give the path of a plaintext SQLiteSession file")
         if src.is_dir():
             raise BadInput(f"{src} is a folder; give the path of a SQLiteSession database file")
-        if src == self.vault.path:
-            raise OperationFailed(f"{src} is the vault itself; give a plaintext SQLiteSession file")
         kind = files.special(src)
         if kind:  # a FIFO would block the read below for ever
             raise BadInput(f"{src} is a {kind}; give the path of a SQLiteSession database file")

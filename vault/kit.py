@@ -41,7 +41,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-from . import crypto, files
+from . import crypto, files, targets
 from .errors import (
     BadInput,
     KeyMismatch,
@@ -293,6 +293,35 @@ def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False)
         ) from None
 
 
+def check_kit_target(
+    vault: Vault | PgVault, path: str | os.PathLike[str], force: bool = False
+) -> Path:
+    """Refuse (exit 2) a kit path that is the vault or a database, or, with `force`, an
+    existing file that is not a recovery kit of this vault. Asked before the passphrase."""
+    vault_id = vault.vault_id
+
+    def recognise(head: bytes) -> str | None:
+        try:
+            doc = json.loads(head.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return "not a recovery kit"
+        if not isinstance(doc, dict) or doc.get("format") != KIT_FORMAT:
+            return "not a recovery kit"
+        if doc.get("vault_id") != vault_id:
+            return "a recovery kit of another vault"
+        return None
+
+    return targets.check_target(
+        path,
+        "recovery kit",
+        targets.vault_path_of(vault),
+        force_flag="--force",
+        replace=force,
+        recognise=recognise,
+        kind="a recovery kit of this vault",
+    )
+
+
 # --------------------------------------------------------------------------
 # The two operations behind `memvault key export` / `memvault key import`
 # --------------------------------------------------------------------------
@@ -311,6 +340,7 @@ def export_kit(
             f"a key rotation of {vault.path} is under way (or was cut off); wait for it, or "
             "run `memvault rotate` to finish it, then export the kit; nothing was written"
         )
+    check_kit_target(vault, path, force)
     vault_id = vault.vault_id
     kit = seal(sealer.master_key, vault_id, passphrase)
     target = write_kit_file(path, kit.to_json(), force=force)

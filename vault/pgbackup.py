@@ -38,7 +38,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     `dest`, KeyRevoked for a revoked vault, VaultBusy while a rotation is under way.
     """
     _refuse(vault, vault.meta())
-    target = file_backup.check_destination(dest)
+    target = file_backup.check_destination(dest, None)
     kid, vault_id, sessions, items = file_backup.write_new_copy(
         target, lambda: _copy(vault, target)
     )
