@@ -123,7 +123,7 @@ def read_passphrase_file(path: str) -> str:
     stays silent for PIPE_SILENCE_SECONDS. Devices and sockets are refused without
     being opened. Warns when others may read the file.
     """
-    where = f"the passphrase file {path}"
+    where = f"the passphrase file {files.shown(path)}"
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

@@ -200,6 +200,7 @@ def seal(master_key: str, vault_id: str, passphrase: str) -> Kit:
 def load(path: str | os.PathLike[str]) -> Kit:
     """Parse a kit file; OperationFailed (exit 1) when it is not a well-formed kit."""
     p = Path(path)
+    files.refuse_too_long(p, "the recovery kit path")
     kind = files.special(p)
     if kind:  # reading a FIFO would wait for a writer for ever
         raise BadInput(f"{p} is a {kind}; give the path of the recovery kit file")
