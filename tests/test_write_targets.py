@@ -95,6 +95,18 @@ def test_a_command_never_writes_over_the_vault_or_a_side_file(
     still_readable(filled)
 
 
+@pytest.mark.parametrize("side", ["-journal", "-wal", "-shm"])
+def test_init_never_makes_a_vault_at_a_side_file_name_of_a_database(
+    filled: Path, side: str
+) -> None:
+    # The vault's next open would take it for its journal or WAL, and delete or reset it.
+    before = digest(filled)
+    r = run_cli("--db", f"{filled}{side}", "init")
+    one_line(r, 2, "side file of the SQLite database", "nothing was written")
+    assert not os.path.lexists(f"{filled}{side}") and digest(filled) == before
+    still_readable(filled)
+
+
 def test_a_link_or_a_detour_to_the_vault_is_the_vault(filled: Path, tmp_path: Path) -> None:
     link = tmp_path / "innocent.jsonl"
     link.symlink_to(filled)

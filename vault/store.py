@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from . import crypto, durations, files, keyjournal, paths, testhooks
+from . import crypto, durations, files, keyjournal, paths, targets, testhooks
 from .db import (
     audit,
     check_header,
@@ -127,6 +127,7 @@ class Vault(KeyLifecycle):
                 f"a vault already exists at {path}; nothing was changed "
                 "(`memvault status` describes it)"
             )
+        targets.refuse_side_file(path, "new vault")  # SQLite would delete it at X's next open
         # lexists: a dangling link would make SQLite create its target.
         leftovers = [p for p in paths.sidecars(path)[1:] if os.path.lexists(p)]
         if leftovers:

@@ -97,6 +97,19 @@ def _database_side_file(target: Path) -> Path | None:
     return None
 
 
+def refuse_side_file(target: Path, what: str) -> None:
+    """Refuse (exit 2) a name SQLite gives a side file of an existing database (`X-wal`
+    beside the database X): opening X would take the file for its own, and reset or
+    delete it."""
+    base = _database_side_file(target)
+    if base is not None:
+        raise BadInput(
+            f"{files.shown(target)} is a side file of the SQLite database {files.shown(base)}, "
+            f"which would take the {what} for its own; give another file name; nothing was "
+            "written"
+        )
+
+
 def check_target(
     path: str | os.PathLike[str],
     what: str,
@@ -120,13 +133,7 @@ def check_target(
     files.refuse_too_long(path, f"the {what} path")
     target = Path(path)
     refuse_vault_file(target, vault_path, over_vault(what))
-    base = _database_side_file(target)
-    if base is not None:
-        raise BadInput(
-            f"{files.shown(target)} is a side file of the SQLite database {files.shown(base)}, "
-            f"which would take the {what} for its own; give another file name; nothing was "
-            "written"
-        )
+    refuse_side_file(target, what)
     if replace and force_flag is not None and os.path.isfile(target) and not target.is_symlink():
         try:
             head = files.read_head(target, HEAD_BYTES)
