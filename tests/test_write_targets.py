@@ -247,3 +247,44 @@ def test_every_writing_command_refuses_every_spelling_of_a_vault_file(
     assert listing(world.db.parent, world.links) == files_before, args
     shown = CliRunner().invoke(cli, ["show", "S"], env=env, prog_name="memvault")
     assert shown.exit_code == 0 and "NORD-17" in shown.stdout, shown.stderr
+
+
+# --------------------------------------------------------------------------
+# A PostgreSQL vault has no file, but no command writes over a SQLite database
+# --------------------------------------------------------------------------
+def _postgres(fn: Any) -> Any:
+    from tests.pgserver import MARKS
+
+    for mark in MARKS:
+        fn = mark(fn)
+    return fn
+
+
+@_postgres
+def test_a_url_vault_never_writes_over_a_database_either(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    from vault import Vault
+
+    file_vault = tmp_path / "laptop.db"
+    Vault.init(file_vault)
+    try:
+        before = file_vault.read_bytes()
+        for args in (
+            ["export", "--all", "--force", "-o", str(file_vault)],
+            ["key", "export", "--force", "--passphrase-stdin", str(file_vault)],
+            ["backup", f"{file_vault}-wal"],
+            ["shred", "--receipt", f"{file_vault}-journal"],
+        ):
+            r = run_cli("--db", pg_url, *args, input=PASS + "\n")
+            one_line(r, 2, "SQLite database")
+        assert file_vault.read_bytes() == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["laptop.db"]
+        out = tmp_path / "export.jsonl"
+        assert run_cli("--db", pg_url, "export", "--all", "-o", str(out)).code == 0
+        r = run_cli("--db", pg_url, "export", "--all", "--force", "-o", str(out))
+        assert r.code == 0, r  # an export over an earlier export
+    finally:
+        from vault.store import shred
+
+        shred(file_vault)
