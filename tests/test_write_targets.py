@@ -107,6 +107,22 @@ def test_init_never_makes_a_vault_at_a_side_file_name_of_a_database(
     still_readable(filled)
 
 
+def test_a_file_name_that_is_not_utf8_is_refused_before_anything_is_written(
+    filled: Path, tmp_path: Path
+) -> None:
+    # Once written, the file's name could not be printed: the command ended in
+    # "unexpected error" with the plaintext export left behind.
+    bad = str(tmp_path / "bad\udcff.out")
+    for args in (
+        ["export", "--all", "--force", "-o", bad],
+        ["key", "export", "--passphrase-stdin", bad],
+        ["shred", "--receipt", bad],
+    ):
+        one_line(run_cli(*args, input=PASS + "\n"), 2, "not valid UTF-8")
+    assert not os.path.lexists(bad)
+    still_readable(filled)
+
+
 def test_a_link_or_a_detour_to_the_vault_is_the_vault(filled: Path, tmp_path: Path) -> None:
     link = tmp_path / "innocent.jsonl"
     link.symlink_to(filled)

@@ -130,7 +130,7 @@ def check_target(
     """
     if str(path) == "":
         return files.check_new_file(path, what)  # its own words for an empty path
-    files.refuse_too_long(path, f"the {what} path")
+    paths.require_text_path(path, f"the {what} path")  # too long, or not UTF-8: exit 2
     target = Path(path)
     refuse_vault_file(target, vault_path, over_vault(what))
     refuse_side_file(target, what)
