@@ -179,6 +179,54 @@ def test_tampered_kit(vault: Any, tmp_path: Path) -> None:
     assert import_(kit).code == 0  # the untouched kit still works
 
 
+def test_hostile_kits_are_refused_in_one_line(vault: Any, tmp_path: Path) -> None:
+    """A version or scrypt parameter that only equals a valid one (true, 1.0), scrypt r=1
+    with our n (past RFC 7914's n < 2**(16 r): OpenSSL raised MemoryError), and JSON nested
+    deeper than the parser goes (RecursionError): each a kit memvault never writes."""
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    doc = json.loads(kit.read_text())
+
+    def variant(name: str, **changes: Any) -> Path:
+        d = json.loads(json.dumps(doc))
+        kdf = {k[4:]: changes.pop(k) for k in list(changes) if k.startswith("kdf_")}
+        d.update(changes)
+        d["kdf"].update(kdf)
+        p = tmp_path / name
+        p.write_text(json.dumps(d))
+        return p
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 5000)
+    nested = tmp_path / "nested.json"
+    nested.write_text(json.dumps(doc)[:-1] + ', "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    hostile = [
+        variant("version-true.json", version=True),
+        variant("version-float.json", version=1.0),
+        variant("r1.json", kdf_r=1),
+        variant("r-true.json", kdf_r=True),
+        variant("p-true.json", kdf_p=True),
+        variant("n-float.json", kdf_n=float(doc["kdf"]["n"])),
+        deep,
+        nested,
+    ]
+    results = {p.name: import_(p) for p in hostile}
+    refused = "memvault: error: " + str(tmp_path)
+    wrong = {
+        name: r.err
+        for name, r in results.items()
+        if r.code != 1
+        or not r.err.startswith(refused)
+        or "is not a usable memvault recovery kit" not in r.err
+        or r.err.count("\n") != 1
+    }
+    assert wrong == {}
+    for r in results.values():
+        no_secret(key, r)
+    assert keyring_key(vault) == key
+
+
 def test_kit_from_another_vault(vault: Any, tmp_path: Path) -> None:
     from vault import Vault
     from vault.store import shred

@@ -293,8 +293,8 @@ def test_without_the_extra_a_url_says_how_to_install_it(pg_url: str, tmp_path: P
     r = run_cli("--db", pg_url, "status", env=env)
     assert r.code == 2, r
     assert r.err.strip() == (
-        "memvault: error: PostgreSQL support needs `pip install memvault[postgres]`; "
-        "nothing was changed"
+        "memvault: error: PostgreSQL support needs `pip install 'memvault[postgres]'` "
+        "(from a clone of the source: `pip install -e '.[postgres]'`); nothing was changed"
     )
     assert run_cli("--db", pg_url, "init", env=env).code == 2
 

@@ -437,6 +437,7 @@ def test_two_hosts_share_a_vault_and_a_rotation_needs_the_new_kit(
             "state": "current",
             "in_keyring": True,
             "created_at": r.json()["keys"][0]["created_at"],
+            "backups": [],
         }
     ]
 

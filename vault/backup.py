@@ -8,7 +8,10 @@ free pages, which may still hold ciphertext deleted without `secure_delete`.
 deleted before the backup.
 
 The copy keeps the vault id and the key id: it opens with the same keyring
-key, and no key is ever copied. A vault whose key is missing (new keyring, lost
+key, and no key is ever copied. Every backup is recorded in the live vault first
+(vault.retention): while the record exists, a rotation keeps the backup's key
+version (retained) instead of destroying it. A backup whose record cannot be
+written is not made, or is removed again. A vault whose key is missing (new keyring, lost
 entry) is still backed up, since a recovery kit may hold its key; the result
 says so. A revoked vault is refused: nothing can ever read its copy.
 """
@@ -23,11 +26,13 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from . import files, paths, targets, testhooks
+from . import files, paths, retention, targets, testhooks
+from .crypto import Sealer
 from .db import connect, is_busy, is_damage, sqlite_errors
-from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
+from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
+from .keyjournal import DESTROYED, PENDING
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE
 from .store import Vault
 
@@ -51,6 +56,7 @@ class BackupResult:
     key_problem: str | None = None
     restore: list[str] = field(default_factory=list)
     audited: bool = True  # False: made, but the audit event could not be written
+    backup_id: str = ""  # also in the copy's meta and in the live vault's record
 
     @property
     def key_ok(self) -> bool:
@@ -76,6 +82,31 @@ def check_destination(dest: str | os.PathLike[str], vault_path: Path | None) -> 
                 "move it away or choose another name for the backup; nothing was written"
             )
     return target
+
+
+class Checked(Protocol):
+    """What `key_check` asks of a vault (a file vault or a PostgreSQL one)."""
+
+    def sealer(self, refresh: bool = False) -> Sealer: ...
+    def backups(self) -> list[dict[str, Any]]: ...
+
+
+def key_check(vault: Checked, rec: retention.BackupRecord, kid: str) -> str | None:
+    """Why this keyring cannot open the copy, or None when it can: the current key, or a
+    rotation committed during the backup retained the copy's key for it."""
+    try:
+        key_kid = vault.sealer(refresh=True).kid
+    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
+        return exc.message
+    if key_kid == kid:
+        return None
+    mine = [b for b in vault.backups() if b["backup_id"] == rec.backup_id]
+    if mine and mine[0]["readable"]:
+        return None
+    return (
+        f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
+        f"open the copy (key {kid}); run `memvault backup` again"
+    )
 
 
 def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
@@ -110,31 +141,23 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
             "it; nothing was written"
         )
     target = check_destination(dest, vault.path)
-    kid, vault_id, sessions, items = _copy(vault, target)
+    rec, (kid, vault_id, sessions, items) = recorded_copy(
+        vault, target, lambda rec, keep: _copy(vault, target, rec.backup_id, keep)
+    )
     testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still
     # worth having (a recovery kit may hold the key). Checked after the copy, against
     # the copy's kid, so a rotation committed during the backup is noticed (and a
     # rotation cut off before its key was promoted is finished by `sealer`).
-    key_problem: str | None = None
-    try:
-        key_kid = vault.sealer(refresh=True).kid
-    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
-        key_problem = exc.message
-    else:
-        if key_kid != kid:
-            key_problem = (
-                f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
-                f"open the copy (key {kid}); run `memvault backup` again"
-            )
+    key_problem = key_check(vault, rec, kid)
     audited = True
     try:
-        vault.record("backup", kid, items=items, sessions=sessions, to=str(target))
+        vault.record("backup", kid, items=items, sessions=sessions, to=rec.path)
     except (VaultBusy, OperationFailed):
         audited = False  # the copy is made and sound: say so rather than fail
     st = os.stat(target)
     return BackupResult(
-        path=str(target),
+        path=rec.path,
         source=str(vault.path),
         vault_id=vault_id,
         kid=kid,
@@ -146,13 +169,62 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
         key_problem=key_problem,
         restore=restore_steps(target, kid, key_problem is None),
         audited=audited,
+        backup_id=rec.backup_id,
     )
 
 
-def write_new_copy(target: Path, fill: Callable[[], None]) -> tuple[str, str, int, int]:
+class Recorder(Protocol):
+    """The live vault's records of its backups (a file vault's or a PostgreSQL one's)."""
+
+    def record_backup(self, target: Path) -> retention.BackupRecord: ...
+    def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None: ...
+    def drop_backup(self, rec: retention.BackupRecord) -> None: ...
+
+
+Copy = tuple[str, str, int, int]
+
+
+def recorded_copy(
+    vault: Recorder,
+    target: Path,
+    make: Callable[[retention.BackupRecord, Callable[[str], None]], Copy],
+) -> tuple[retention.BackupRecord, Copy]:
+    """Record the backup in the live vault, then let `make` write it; both engines.
+
+    The record comes first (committed, under the key the vault uses now), so that no
+    moment exists where a backup is on disk and a rotation could destroy its key
+    unrecorded. `make` calls `keep(kid)` with the copy's key before it settles: the
+    record takes that kid (a rotation may have committed before the snapshot), and a
+    copy whose key was destroyed meanwhile (two rotations) is removed. Any failure
+    drops the record again; a crash leaves a record that `key list` flags as missing.
+    """
+    rec = vault.record_backup(Path(os.path.abspath(target)))
+
+    def keep(kid: str) -> None:
+        if vault.settle_backup(rec, kid) == DESTROYED:
+            raise OperationFailed(
+                f"the vault was rotated twice during the backup: key {kid} of the copy was "
+                "destroyed meanwhile; the backup was removed; run `memvault backup` again"
+            )
+
+    try:
+        return rec, make(rec, keep)
+    except BaseException:
+        with contextlib.suppress(VaultError):
+            vault.drop_backup(rec)
+        raise
+
+
+def write_new_copy(
+    target: Path,
+    fill: Callable[[], None],
+    backup_id: str = "",
+    keep: Callable[[str], None] | None = None,
+) -> Copy:
     """Create `target` (new, private, empty), let `fill` write a vault into it, check it is
     still the file created, settle and check it; (kid, vault_id, sessions, items).
 
+    The copy's meta gets `backup_id`; `keep(kid)` may still refuse the settled copy.
     Anything that fails after the file was created removes it again (and its side files).
     """
     try:
@@ -175,13 +247,18 @@ def write_new_copy(target: Path, fill: Callable[[], None]) -> tuple[str, str, in
             raise OperationFailed(
                 f"{target} was replaced while the backup was written; the backup was not made"
             )
-        return _settle(target)
+        copy = _settle(target, backup_id)
+        if keep is not None:
+            keep(copy[0])
+        return copy
     except BaseException:
         _remove(target, created)
         raise
 
 
-def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
+def _copy(
+    vault: Vault, target: Path, backup_id: str, keep: Callable[[str], None]
+) -> tuple[str, str, int, int]:
     """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items)."""
 
     def vacuum_into() -> None:
@@ -200,10 +277,10 @@ def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
                 ) from None
         testhooks.failpoint("backup-vacuumed")
 
-    return write_new_copy(target, vacuum_into)
+    return write_new_copy(target, vacuum_into, backup_id, keep)
 
 
-def _settle(target: Path) -> tuple[str, str, int, int]:
+def _settle(target: Path, backup_id: str) -> tuple[str, str, int, int]:
     """Give the copy the vault's journal mode, mark it scrubbed, and check it.
 
     VACUUM INTO writes a rollback-journal file; `Vault.init` makes WAL files, so the
@@ -219,6 +296,15 @@ def _settle(target: Path) -> tuple[str, str, int, int]:
             conn.execute(
                 "UPDATE memvault_meta SET value = '0' WHERE key = 'scrub_pending' AND value != '0'"
             )
+            # A pending version is the live vault's rotation in flight: the copy's tidy-up
+            # on open would delete its entry under that rotation's feet (pgbackup never
+            # copies one either).
+            conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
+            if backup_id:  # the copy names itself, as the live vault's record names it
+                conn.execute(
+                    "INSERT OR REPLACE INTO memvault_meta (key, value) VALUES (?, ?)",
+                    (retention.BACKUP_ID, backup_id),
+                )
             conn.execute("COMMIT")
             check = conn.execute("PRAGMA integrity_check").fetchall()
             if check != [("ok",)]:

@@ -72,13 +72,28 @@ def purge(yes: bool) -> None:
     check_scrub(report.scrubbed)
 
 
+def _kept_note(c: dict[str, Any]) -> str:
+    """What became of the old key, and which recorded backups still open, and why."""
+    from .cli_kept import backup_lines
+
+    if c.get("old_key") == "retained":
+        head = f"\n  old key {c['old_kid']} retained (decrypt-only) for the backups that use it"
+    else:
+        head = f"\n  old key {c['old_kid']} destroyed: no recorded backup uses it"
+    lines = backup_lines(c.get("backups", []), "  backup ")
+    return head + "".join("\n" + line for line in lines)
+
+
 def _on_postgres(vault: Any) -> bool:
     return getattr(vault, "backend", None) == "postgresql"
 
 
 @cli.command()
+# Accepted as on every command that can ask, so that scripts pass it without
+# knowing which ones ask today.
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @common
-def rotate() -> None:
+def rotate(yes: bool) -> None:
     """Replace the key: re-encrypt every item, keep timestamps, scrub old bytes.
 
     Older recovery kits stop working after a rotation: export a new one.
@@ -105,7 +120,9 @@ def rotate() -> None:
             f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
-            "  older recovery kits no longer match: run `memvault key export` again" + note
+            "  older recovery kits no longer match: run `memvault key export` again"
+            + note
+            + _kept_note(c)
         ),
     )
     check_scrub(report.scrubbed)
@@ -145,7 +162,9 @@ def revoke(yes: bool) -> None:
         if r["already_revoked"]:
             finished = ""
             if r["key_destroyed"]:
-                finished = f"; destroyed what a cut-off revoke had left (key {_kids(r)})"
+                # A second host's revoke, or one finishing a revoke cut off: either way
+                # what happened is that this keyring still held the key, and now does not.
+                finished = f"; this keyring still held its key: destroyed it ({_kids(r)})"
             click.echo(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
                 f"`memvault shred` removes the {'rows' if _on_postgres(vault) else 'file'}" + hosts

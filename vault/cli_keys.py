@@ -367,37 +367,3 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
             )
 
     emit(r, human)
-
-
-@key_group.command("list")
-@common
-def key_list() -> None:
-    """List the key versions this vault's file knows. Never shows a key.
-
-    State is current (the rows use it), pending (a rotation staged it),
-    retired (a rotation replaced it; its entry is deleted next) or destroyed.
-    "in keyring" says whether its entry memvault/<vault_id>/<kid> exists: a
-    destroyed version still present there is another copy's (a backup restored
-    with an older kit); `memvault shred` destroys those too.
-
-    \b
-    Example:
-      memvault key list
-    """
-    vault = open_any()
-    versions = vault.key_versions()
-    doc = {
-        "vault_id": vault.vault_id,
-        "keys": [
-            {"kid": v.kid, "state": v.state, "in_keyring": v.in_keyring, "created_at": v.created_at}
-            for v in versions
-        ],
-    }
-
-    def human() -> None:
-        click.echo(f"{'key id':<22}  {'state':<9}  {'in keyring':<10}  created")
-        for v in versions:
-            present = "yes" if v.in_keyring else "no"
-            click.echo(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")
-
-    emit(doc, human)

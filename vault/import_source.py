@@ -9,10 +9,12 @@ shredding.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .db import error_name, is_busy
 from .errors import OperationFailed, VaultBusy
@@ -52,6 +54,39 @@ def is_text(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def decode_row(row: str, data: Any) -> Any:
+    """The item a source row holds, or OperationFailed naming `row` (its place in the
+    source) when no SQLiteSession item can be made of it."""
+    try:
+        item = json.loads(data)
+        # Python reads NaN, Infinity and 1e999 (as inf); RFC 8259 JSON has none of them,
+        # so an export could not write the item as standard JSON: refused here.
+        text = json.dumps(item, ensure_ascii=False, allow_nan=False)
+    except (json.JSONDecodeError, TypeError):
+        raise OperationFailed(
+            f"{row} is not JSON, so it is not a SQLiteSession item; "
+            "repair or delete that row; nothing was imported"
+        ) from None
+    except RecursionError:
+        raise OperationFailed(
+            f"{row} is nested deeper than the JSON parser can take, so no session could "
+            "read it back; repair or delete that row; nothing was imported"
+        ) from None
+    except ValueError:
+        raise OperationFailed(
+            f"{row} holds NaN or an infinite number, which standard JSON (RFC 8259) "
+            "cannot hold; repair or delete that row; nothing was imported"
+        ) from None
+    # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but not text that can
+    # be sealed (UTF-8) or given back to the SDK.
+    if not is_text(text):
+        raise OperationFailed(
+            f"{row} holds a lone surrogate, which is not valid Unicode "
+            "text; repair or delete that row; nothing was imported"
+        )
+    return item
 
 
 def quote_name(name: str) -> str:

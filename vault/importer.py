@@ -49,6 +49,7 @@ from .import_source import (
     NotUTF8,
     Plan,
     SourceSession,
+    decode_row,
     find_pair,
     is_text,
     list_tables,
@@ -232,23 +233,8 @@ class Importer:
                     )
 
     def _decode(self, plan: Plan, session_id: str, row_id: int, data: Any) -> Any:
-        try:
-            item = json.loads(data)
-        except (json.JSONDecodeError, TypeError):
-            raise OperationFailed(
-                f"row {row_id} of session {session_id!r} in {plan.source} "
-                f"({plan.messages_table}) is not JSON, so it is not a SQLiteSession item; "
-                "repair or delete that row; nothing was imported"
-            ) from None
-        # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but not text that can
-        # be sealed (UTF-8) or given back to the SDK.
-        if not is_text(json.dumps(item, ensure_ascii=False)):
-            raise OperationFailed(
-                f"row {row_id} of session {session_id!r} in {plan.source} "
-                f"({plan.messages_table}) holds a lone surrogate, which is not valid Unicode "
-                "text; repair or delete that row; nothing was imported"
-            )
-        return item
+        label = f"row {row_id} of session {session_id!r} in {plan.source} ({plan.messages_table})"
+        return decode_row(label, data)
 
     def _check_vault(self, plan: Plan) -> None:
         present = set(self.vault.session_ids())

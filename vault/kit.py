@@ -219,11 +219,12 @@ def load(path: str | os.PathLike[str]) -> Kit:
         raise _not_a_kit(p, "it is far larger than a kit")
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise _not_a_kit(p, "it is not JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != KIT_FORMAT:
         raise _not_a_kit(p, "its format field is not memvault-recovery-kit")
-    if doc.get("version") != KIT_VERSION:
+    # The type exactly: in Python true == 1.0 == 1, and neither is a kit version.
+    if type(doc.get("version")) is not int or doc["version"] != KIT_VERSION:
         raise _not_a_kit(p, f"unknown kit version {doc.get('version')!r}; upgrade memvault")
     kdf = doc.get("kdf")
     if not isinstance(kdf, dict) or kdf.get("name") != "scrypt":
@@ -232,13 +233,14 @@ def load(path: str | os.PathLike[str]) -> Kit:
         raise _not_a_kit(p, f"its cipher is not {CIPHER}")
     n, r, par = kdf.get("n"), kdf.get("r"), kdf.get("p")
     if not (
-        isinstance(n, int)
+        type(n) is int
         and _N_RANGE[0] <= n <= _N_RANGE[1]
         and n & (n - 1) == 0
-        and isinstance(r, int)
+        and type(r) is int
         and _R_RANGE[0] <= r <= _R_RANGE[1]
-        and isinstance(par, int)
+        and type(par) is int
         and _P_RANGE[0] <= par <= _P_RANGE[1]
+        and n < 2 ** (16 * r)  # RFC 7914's bound; past it OpenSSL raises MemoryError
     ):
         raise _not_a_kit(p, "its scrypt parameters are out of range")
     check_kdf_cost(n, r, par, p)

@@ -15,7 +15,17 @@ import json
 from typing import Any
 
 from . import keyjournal
-from .schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .schema import (
+    FORMAT,
+    GUARD_MESSAGE,
+    KEY_STATES_SQL,
+    MESSAGES_TABLE,
+    PREVIOUS_FORMAT,
+    ROTATION_LOGGED,
+    SESSIONS_TABLE,
+    utcnow,
+)
+from .schema import last_rotation as _last_rotation
 
 # The guard's SQLSTATE: check_violation, so that SQLAlchemy reports it as an IntegrityError
 # (as sqlite3 reports the SQLite trigger's refusal), and the session retries it alike.
@@ -141,6 +151,24 @@ def _key_versions(schema: str) -> list[str]:
     ]
 
 
+def _retained_keys_and_backups(schema: str) -> list[str]:
+    # vault.schema's m009: the `retained` state, the backups' records, the format bump.
+    return [
+        "ALTER TABLE memvault_keys DROP CONSTRAINT IF EXISTS memvault_keys_state_check",
+        f"ALTER TABLE memvault_keys ADD CONSTRAINT memvault_keys_state_check "
+        f"CHECK (state IN ({KEY_STATES_SQL}))",
+        """CREATE TABLE memvault_backups (
+               seq BIGSERIAL,
+               backup_id TEXT PRIMARY KEY,
+               path TEXT NOT NULL,
+               kid TEXT NOT NULL,
+               created_at TEXT NOT NULL
+           )""",
+        f"UPDATE memvault_meta SET value = '{FORMAT}' "
+        f"WHERE key = 'format' AND value = '{PREVIOUS_FORMAT}'",
+    ]
+
+
 # Applied in this order, each recorded once by name (names as in vault.schema where the
 # step is the same).
 MIGRATIONS = [
@@ -150,6 +178,7 @@ MIGRATIONS = [
     ("m004_audit", _audit),
     ("m005_key_versions", _key_versions),
     ("m006_guard_requires_v", _guard_requires_v),
+    ("m009_retained_keys_and_backups", _retained_keys_and_backups),
 ]
 
 
@@ -225,3 +254,8 @@ async def record_key(conn: Any, kid: str, state: str) -> None:
         state,
         now,
     )
+
+
+async def last_rotation(conn: Any, meta: dict[str, str]) -> str | None:
+    """`rotated_at`, or None for a vault never rotated (vault.schema.last_rotation)."""
+    return _last_rotation(meta, await conn.fetchval(ROTATION_LOGGED) is not None)

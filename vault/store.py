@@ -58,8 +58,11 @@ from .schema import (
     ITEM_WINDOW_INDEX,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
+    PREVIOUS_FORMAT,
+    ROTATION_LOGGED,
     SESSIONS_TABLE,
     WINDOW_SECONDS,
+    last_rotation,
     migrate,
     needs_migration,
     utcnow,
@@ -198,7 +201,7 @@ class Vault(KeyLifecycle):
         vault = cls(path, keystore)
         with vault.connection() as conn:  # one connection for both questions
             meta = read_meta(conn, path)
-            if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
+            if meta.get("format") not in (FORMAT, PREVIOUS_FORMAT, LEGACY_FORMAT):
                 raise NotAVault(
                     f"{path} has an unknown memvault format {meta.get('format')!r}; "
                     "upgrade memvault"
@@ -385,6 +388,7 @@ class Vault(KeyLifecycle):
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)
             infos = self._count(conn, ttl, now)
+            rotated = last_rotation(meta, conn.execute(ROTATION_LOGGED).fetchone() is not None)
         files = {}
         for p in paths.sidecars(self.path):
             if p.exists():
@@ -398,7 +402,7 @@ class Vault(KeyLifecycle):
             "kid": meta["kid"],
             "ttl": durations.format_duration(ttl),
             "created_at": meta.get("created_at"),
-            "rotated_at": meta.get("rotated_at"),
+            "rotated_at": rotated,
             "scrub_pending": meta.get("scrub_pending") == "1",
             "shred_interrupted": "shred_started" in meta,
             "keyring": None,

@@ -317,7 +317,9 @@ def _items(
             if sealer is None:
                 continue
             for row_id, sid, data in batch:
-                state = sealer.state(str(sid), data if isinstance(data, str) else "", ttl)
+                text = data if isinstance(data, str) else ""
+                # Decoded too: an item a read would skip must not pass as authenticated.
+                state = sealer.state(str(sid), text, ttl, decode=True)
                 if state is crypto.ItemState.UNREADABLE:
                     report.add(
                         "unauthenticated_items", f"item {row_id} of session {str(sid)[:60]!r}"
