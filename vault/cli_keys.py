@@ -264,7 +264,8 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
       memvault key export --passphrase-file pass.txt kit.json
       printf %s "$PASS" | memvault key export --passphrase-stdin kit.json
     """
-    from .kit import SHORT_PASSPHRASE, check_kit_target, check_passphrase, export_kit
+    from .kit import SHORT_PASSPHRASE, check_passphrase, export_kit
+    from .kitfile import check_kit_target
     from .targets import over_vault
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
