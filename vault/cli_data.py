@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from .cli import SESSION, cli, common, emit, open_any, plural, refuse_option, state
+from .cli import SESSION, cli, common, emit, open_any, plural, refuse_option, say, state
 from .errors import VaultError
 
 # vault.export's FORMATS, spelled here so that loading the CLI does not import the
@@ -112,7 +112,7 @@ def export_cmd(
                 f"; {plural(r.expired_skipped, 'expired item')} left out (--include-expired "
                 "adds them)"
             )
-        click.echo(line, err=to_stdout)
+        say(line, err=to_stdout)
 
     emit(r.as_dict(), human)
     if r.unreadable:
@@ -164,7 +164,7 @@ def search_cmd(
 
     def human() -> None:
         for h in found.hits:
-            click.echo(f"{h.session_id} #{h.position} {h.role}: {h.excerpt}")
+            say(f"{h.session_id} #{h.position} {h.role}: {h.excerpt}")
         if not found.hits and not found.unreadable:
             line = (
                 f"no item matches {pattern!r} ({plural(found.items, 'item')} searched in "
@@ -172,7 +172,7 @@ def search_cmd(
             )
             if found.expired_skipped:
                 line += f"; --include-expired also searches {found.expired_skipped} expired"
-            click.echo(line + ")", err=True)
+            say(line + ")", err=True)
 
     emit(found.as_dict(), human)
     if found.unreadable:
