@@ -239,6 +239,15 @@ def test_search_prints_the_session_id_escaped(vault: Any, vault_db: Path) -> Non
     assert r.out == "s\\x1b[2J\\x1b[Hx #1 user: the needle\n"
 
 
+def test_pop_and_clear_name_the_session_escaped(vault: Any, vault_db: Path) -> None:
+    sid = f"s{CLEAR}\nx"
+    add_items(vault_db, sid, [user("one"), assistant("two")])
+    r = run_cli("pop", "--", sid)
+    assert r.code == 0 and one_line_each(r.out) == ["removed 1 item from s\\x1b[2J\\x1b[H\\nx"], r
+    r = run_cli("clear", "--yes", "--", sid)
+    assert r.code == 0 and one_line_each(r.out)[0].startswith("cleared s\\x1b[2J\\x1b[H\\nx: "), r
+
+
 def test_error_lines_show_the_values_they_quote_escaped(tmp_path: Path) -> None:
     missing = tmp_path / f"a{OSC52}\nb" / "history.db"
     r = run_cli("--db", str(missing), "status")
