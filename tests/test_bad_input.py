@@ -122,7 +122,7 @@ def test_a_huge_count_is_a_usage_error(vault: Any, vault_db: Path, args: tuple[s
 def test_the_largest_count_sqlite_takes_still_works(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("one"), assistant("two")])
     r = run_cli("show", "s", "--limit", str(2**63 - 1))
-    assert r.code == 0 and "[2] assistant: two" in r.out, r
+    assert r.code == 0 and "#2 assistant: two" in r.out, r
 
 
 # --------------------------------------------------------------------------

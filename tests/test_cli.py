@@ -173,7 +173,7 @@ def test_show_pop_and_limit(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("one"), assistant("two"), user("three")])
     r = run_cli("show", "s")
     assert r.code == 0
-    assert r.out.splitlines() == ["[1] user: one", "[2] assistant: two", "[3] user: three"]
+    assert r.out.splitlines() == ["#1 user: one", "#2 assistant: two", "#3 user: three"]
     assert run_cli("--json", "show", "s", "--limit", "2").json()["items"] == [
         assistant("two"),
         user("three"),

@@ -133,7 +133,7 @@ def test_expired_items_are_skipped_by_the_session(vault: Any, vault_db: Path) ->
         ("12h", 43200),
         ("30d", 2592000),
         ("2w", 1209600),
-        ("3600", 3600),
+        ("3600s", 3600),
         ("never", None),
         (" 7D ", 604800),
     ],
@@ -144,7 +144,7 @@ def test_durations(text: str, seconds: int | None) -> None:
         assert durations.parse_duration(durations.format_duration(seconds)) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "abc", "5x", "-1", "0", "1.5h", "99999999d"])
+@pytest.mark.parametrize("text", ["", "abc", "5x", "-1", "0", "1.5h", "99999999d", "3600", "1"])
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ValueError):
         durations.parse_duration(text)

@@ -9,7 +9,10 @@ own run as measured on this machine in this run, counted from the moment it open
 the database (its -shm appears), and (3) at each of its named failpoints. After
 every kill the next command must open the vault, SQLite must find it whole, every
 acknowledged item must read back, and what a destroying command did is either
-done or not, never a lock-out. MEMVAULT_CRASH_SEED replays a run.
+done or not, never a lock-out. A killed `backup` leaves no file at its name or a
+whole copy, and the next backup to that name works; a killed `init` (on a path
+of its own) leaves no vault file or a whole vault, and the next `init` reclaims
+the keyring entry it left. MEMVAULT_CRASH_SEED replays a run.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import keyring_entries, run_cli
+from tests.conftest import keyring_entries, keyring_items, run_cli
 from tests.crashkit import (
     ROOT,
     integrity,
@@ -58,6 +61,8 @@ BULK_ITEMS, BULK_SIZE = 500, 12000  # ~6 MB of WAL: a checkpoint long enough to 
 WRITER_ITEMS = 200
 WRITER_KILLS = 4
 SEED = int(os.environ.get("MEMVAULT_CRASH_SEED", time.time_ns() % 2**32))
+# MEMVAULT_CRASH_ONLY="backup,rotate" replays the kills of those commands alone.
+ONLY = {c.strip() for c in os.environ.get("MEMVAULT_CRASH_ONLY", "").split(",") if c.strip()}
 
 
 @dataclass
@@ -177,6 +182,10 @@ def restore(img: Image) -> None:
     for suffix in ("-wal", "-shm", "-journal"):
         img.plain.with_name(img.plain.name + suffix).unlink(missing_ok=True)
     (img.kit.parent / "exported.json").unlink(missing_ok=True)
+    for p in img.kit.parent.glob("backup.db*"):
+        p.unlink()
+    for p in img.kit.parent.glob(".memvault-*"):
+        p.unlink()
     ks = KeyStore()
     original = entry_name(img.vault_id, crypto.key_id(img.key))
     for name in keyring_entries(img.vault_id):
@@ -193,7 +202,7 @@ class Command:
     args: list[str]
     stdin: str = ""
     failpoints: tuple[str, ...] = ()
-    kind: str = "keeps"  # keeps | pop | clear | purge | import | revoke | shred
+    kind: str = "keeps"  # keeps | pop | clear | purge | import | revoke | shred | backup
     random_kills: int = 1  # at random shares of its measured run; more where steps differ
 
 
@@ -233,6 +242,12 @@ def commands(img: Image) -> dict[str, Command]:
             kind="import",
             random_kills=2,
             failpoints=("import-in-transaction",),
+        ),
+        "backup": Command(
+            ["backup", str(img.kit.parent / "backup.db")],
+            kind="backup",
+            random_kills=2,
+            failpoints=("backup-vacuumed", "backup-settled", "backup-copied"),
         ),
         "key export": Command(["key", "export", "--passphrase-stdin", exported], stdin=PASS + "\n"),
         "key import": Command(
@@ -293,7 +308,23 @@ def check(img: Image, cmd: Command, label: str) -> str:
         if got == expected and rows == n
     ]
     assert sides, (label, rows, {s: len(v) for s, v in got.items()})
+    if cmd.kind == "backup":
+        check_backup(img, label)
     return sides[-1]
+
+
+def check_backup(img: Image, label: str) -> None:
+    """No file at the backup's name, or a whole copy; and the next backup there works."""
+    dest = img.kit.parent / "backup.db"
+    if not dest.exists():
+        again = run_cli("--db", str(img.db), "backup", str(dest))
+        assert again.code == 0, (label, again)
+    assert integrity(dest) == [("ok",)], label
+    v = run_cli("--db", str(dest), "verify")
+    assert v.code == 0, (label, v)
+    copy = Vault.open(dest)
+    assert {sid: copy.items(sid)[0] for sid in img.readable} == img.readable, label
+    assert list(img.kit.parent.glob(".memvault-*")) == [], label  # nothing half-made left
 
 
 def after(img: Image, cmd: Command, before: dict[str, list[Any]]) -> dict[str, list[Any]]:
@@ -372,7 +403,8 @@ def test_every_command_killed_at_every_kind_of_instant(image: Image) -> None:
     print(f"MEMVAULT_CRASH_SEED={SEED}")
     tally: collections.Counter[str] = collections.Counter()
     sides: dict[str, set[str]] = collections.defaultdict(set)
-    for name, cmd in commands(image).items():
+    chosen = {n: c for n, c in commands(image).items() if not ONLY or n in ONLY}
+    for name, cmd in chosen.items():
         span = measure(image, cmd, name)
         # (1) inside the first checkpoint: up to three tries to catch it
         for attempt in range(3):
@@ -407,7 +439,7 @@ def test_every_command_killed_at_every_kind_of_instant(image: Image) -> None:
             tally["named steps"] += 1
     print(f"seed={SEED} {dict(tally)} sides={ {k: sorted(v) for k, v in sides.items()} }")
     # The checkpoint kills really land there (each is aimed by watching the file).
-    assert tally["inside a checkpoint"] >= len(commands(image)) // 2, dict(tally)
+    assert tally["inside a checkpoint"] >= len(chosen) // 2, dict(tally)
 
 
 def test_agent_writers_killed_at_every_kind_of_instant(image: Image) -> None:
@@ -448,3 +480,63 @@ def test_agent_writers_killed_at_every_kind_of_instant(image: Image) -> None:
         assert len(written) >= acked, label  # every acknowledged item is there...
         assert written == writer_items("writer", 0, len(written), ITEM_SIZE), label  # ...whole
     print(f"seed={SEED} writer kills {dict(kills)}")
+
+
+# --------------------------------------------------------------------------
+# init
+# --------------------------------------------------------------------------
+def memvault_entries() -> set[str]:
+    return {a.get("username", "") for a, _ in keyring_items() if a.get("service") == "memvault"}
+
+
+def settle_after_killed_init(db: Path, before: set[str], label: str) -> None:
+    """No vault file or a whole one; the next `init` works (or says one exists) and
+    leaves exactly the new vault's key in the keyring and its file in the folder."""
+    if db.exists():
+        assert db.stat().st_size > 0, label  # never a 0-byte file
+        st = run_cli("--db", str(db), "--json", "status")
+        assert st.code == 0, (label, st)
+        again = run_cli("--db", str(db), "init")
+        assert again.code == 1 and "already exists" in again.err, (label, again)
+    else:
+        r = run_cli("--db", str(db), "init")
+        assert r.code == 0, (label, r)
+        st = run_cli("--db", str(db), "--json", "status")
+        assert st.code == 0, (label, st)
+    vault_id = st.json()["vault_id"]
+    new = memvault_entries() - before
+    assert new == {f"{vault_id}/{st.json()['kid']}"}, (label, new)
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name], label
+    assert run_cli("--db", str(db), "shred", "--yes").code == 0, label
+    assert memvault_entries() == before, label
+
+
+@pytest.mark.parametrize("step", ["init-key-stored", "init-built", "init-linked"])
+def test_init_killed_at_each_step_leaves_no_vault_or_a_whole_one(vault_db: Path, step: str) -> None:
+    before = memvault_entries()
+    r = run_cli("--db", str(vault_db), "init", env={"MEMVAULT_FAILPOINT": step})
+    assert r.code == KILLED, r
+    settle_after_killed_init(vault_db, before, step)
+
+
+def test_init_killed_at_random_instants_leaves_no_vault_or_a_whole_one(vault_db: Path) -> None:
+    rng = random.Random(SEED + 2)
+    print(f"MEMVAULT_CRASH_SEED={SEED}")
+    before = memvault_entries()
+    argv = [sys.executable, "-m", "vault", "--db", str(vault_db), "init"]
+    t0 = time.monotonic()
+    assert subprocess.run(argv, cwd=ROOT, capture_output=True).returncode == 0
+    span = time.monotonic() - t0
+    assert run_cli("--db", str(vault_db), "shred", "--yes").code == 0
+    kills = 6
+    for i in range(kills):
+        # Stratified over the run's second half: the first is the interpreter starting.
+        share = 0.5 + (i + rng.random()) / (2 * kills)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        time.sleep(share * span)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=120)
+        label = f"seed={SEED} init at {share:.2f} of {span:.3f}s"
+        settle_after_killed_init(vault_db, before, label)

@@ -124,6 +124,15 @@ def test_backup_does_not_import_agents(vault: Any, vault_db: Path, tmp_path: Pat
     assert (tmp_path / "backup.db").exists()
 
 
+def test_restore_does_not_import_agents(vault: Any, vault_db: Path, tmp_path: Path) -> None:
+    add_items(vault_db, "s1", [user("hello")])
+    code, _ = probe("backup", str(tmp_path / "backup.db"))
+    assert code == 0
+    code, mods = probe("restore", str(tmp_path / "backup.db"), "--yes")
+    assert code == 0
+    assert mods == []
+
+
 def test_probe_detects_an_agents_import(vault: Any) -> None:
     # Control: the probe sees the SDK when a command does load it.
     code, mods = probe("demo", "--help")

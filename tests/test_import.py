@@ -303,6 +303,33 @@ def test_refuses_what_is_not_a_plaintext_sqlitesession_file(
     assert vault.count_items() == 0
 
 
+def test_refuses_rows_no_export_or_session_could_give_back(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    """NaN, Infinity and 1e999 (which Python reads as inf) are not RFC 8259 JSON, so an
+    export could not write them; JSON nested deeper than the parser goes cannot be read
+    back at all (it raised RecursionError). Each source is refused naming the row."""
+    hostile = {
+        "nan": '{"role": "user", "content": NaN}',
+        "infinity": '{"role": "user", "content": [-Infinity]}',
+        "1e999": '{"role": "user", "content": 1e999}',
+        "deep": "[" * 5000 + "]" * 5000,
+    }
+    wrong = {}
+    for name, data in hostile.items():
+        src = tmp_path / f"{name}.db"
+        make_plain(src, {"s": [user("one"), user("two")]})
+        with sqlite3.connect(src) as conn:
+            conn.execute("UPDATE agent_messages SET message_data = ? WHERE id = 2", (data,))
+        conn.close()
+        r = run_cli("import", str(src))
+        if r.code != 1 or r.err.count("\n") != 1 or "row 2 of session 's'" not in r.err:
+            wrong[name] = r
+    assert wrong == {}
+    assert vault.session_ids() == []
+    assert vault.count_items() == 0
+
+
 def test_a_killed_import_never_leaves_half_a_session(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -7,6 +7,7 @@ one for the hang); a fake backend only adds the focused hang-at-start case.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +21,10 @@ import pytest
 from tests.conftest import ROOT, CLIResult, add_items, key_entry, keyring_entries, raw_bytes, user
 
 PLAINTEXT = "keyrings.alt.file.PlaintextKeyring"
+ENCRYPTED = "keyrings.alt.file.EncryptedKeyring"
+# What keyring falls back to without a session bus: the encrypted file backend where
+# pycryptodome is installed (the test extra installs it), else the plaintext one.
+FALLBACK = ENCRYPTED if importlib.util.find_spec("Crypto") else PLAINTEXT
 
 
 def run(
@@ -155,6 +160,28 @@ def test_the_plaintext_backend_is_refused_and_writes_no_file(tmp_path: Path) -> 
     assert not db.exists() and not db.parent.exists()
 
 
+def test_the_encrypted_file_backend_is_refused_without_asking_for_a_password(
+    filled: Path, tmp_path: Path
+) -> None:
+    # keyrings.alt's EncryptedKeyring keeps the key in a file behind a typed password:
+    # refused before it prompts (stdin is empty: a prompt would fail, not hang).
+    home = tmp_path / "home"
+    home.mkdir()
+    backend = ENCRYPTED
+    env = {
+        "PYTHON_KEYRING_BACKEND": backend,
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+    }
+    db = tmp_path / "v" / "h.db"
+    line = one_line(run("--db", str(db), "init", set_env=env), 4, backend, "refuses")
+    assert "password" in line and "mv1:" not in line
+    for args in COMMANDS:
+        one_line(run(*args, set_env=env), 4, backend, "refuses")
+    assert files_under(home) == []
+    assert not db.exists() and not db.parent.exists()
+
+
 def test_an_existing_vault_is_not_opened_through_the_plaintext_backend(
     filled: Path, vault: Any, tmp_path: Path
 ) -> None:
@@ -187,10 +214,8 @@ def test_an_existing_vault_is_not_opened_through_the_plaintext_backend(
     assert files_under(home) == plain
 
 
-def test_the_plaintext_backend_keyring_picks_by_itself_is_refused(
-    filled: Path, tmp_path: Path
-) -> None:
-    # No session bus and no choice made: keyring falls back to keyrings.alt's plaintext file.
+def test_the_file_backend_keyring_picks_by_itself_is_refused(filled: Path, tmp_path: Path) -> None:
+    # No session bus and no choice made: keyring falls back to a keyrings.alt file backend.
     home = tmp_path / "home"
     home.mkdir()
     env = {
@@ -203,17 +228,17 @@ def test_the_plaintext_backend_keyring_picks_by_itself_is_refused(
     one_line(
         run("--db", str(new), "init", set_env=env, unset=unset),
         4,
-        PLAINTEXT,
+        FALLBACK,
         "keyring chose it",
         "DBUS_SESSION_BUS_ADDRESS is not set",
     )
-    one_line(run("show", "s", set_env=env, unset=unset), 4, PLAINTEXT, "refuses")
+    one_line(run("show", "s", set_env=env, unset=unset), 4, FALLBACK, "refuses")
     assert files_under(home) == []
     assert not new.exists()
 
 
 def test_a_chain_of_only_file_backends_is_refused(tmp_path: Path) -> None:
-    # Without a session bus the chainer holds nothing but the plaintext file backend.
+    # Without a session bus the chainer holds nothing but a keyrings.alt file backend.
     home = tmp_path / "home"
     home.mkdir()
     env = {
@@ -226,7 +251,7 @@ def test_a_chain_of_only_file_backends_is_refused(tmp_path: Path) -> None:
         run("--db", str(db), "init", set_env=env, unset=("DBUS_SESSION_BUS_ADDRESS",)),
         4,
         "refuses",
-        PLAINTEXT,
+        FALLBACK,
     )
     assert files_under(home) == []
     assert not db.exists()

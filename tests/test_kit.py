@@ -86,8 +86,8 @@ def test_new_laptop_round_trip(vault: Any, vault_db: Path, tmp_path: Path) -> No
     assert r_export.code == 0, r_export
     assert stat.S_IMODE(kit.stat().st_mode) == 0o600
     doc = json.loads(kit.read_text())
-    assert doc["version"] == 1 and doc["vault_id"] == vault.vault_id
-    assert doc["kid"] == vault.meta()["kid"]
+    assert doc["version"] == 2 and doc["vault_id"] == vault.vault_id
+    assert doc["kid"] == vault.meta()["kid"] and doc["kids"] == [doc["kid"]]
     assert doc["kdf"]["name"] == "scrypt" and doc["kdf"]["n"] >= 2**14
     assert {"salt", "n", "r", "p"} <= set(doc["kdf"]) and doc["nonce"] and doc["ciphertext"]
     assert key not in kit.read_text()
@@ -179,6 +179,54 @@ def test_tampered_kit(vault: Any, tmp_path: Path) -> None:
     assert import_(kit).code == 0  # the untouched kit still works
 
 
+def test_hostile_kits_are_refused_in_one_line(vault: Any, tmp_path: Path) -> None:
+    """A version or scrypt parameter that only equals a valid one (true, 1.0), scrypt r=1
+    with our n (past RFC 7914's n < 2**(16 r): OpenSSL raised MemoryError), and JSON nested
+    deeper than the parser goes (RecursionError): each a kit memvault never writes."""
+    key = keyring_key(vault)
+    kit = tmp_path / "kit.json"
+    assert export(kit).code == 0
+    doc = json.loads(kit.read_text())
+
+    def variant(name: str, **changes: Any) -> Path:
+        d = json.loads(json.dumps(doc))
+        kdf = {k[4:]: changes.pop(k) for k in list(changes) if k.startswith("kdf_")}
+        d.update(changes)
+        d["kdf"].update(kdf)
+        p = tmp_path / name
+        p.write_text(json.dumps(d))
+        return p
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 5000)
+    nested = tmp_path / "nested.json"
+    nested.write_text(json.dumps(doc)[:-1] + ', "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    hostile = [
+        variant("version-true.json", version=True),
+        variant("version-float.json", version=1.0),
+        variant("r1.json", kdf_r=1),
+        variant("r-true.json", kdf_r=True),
+        variant("p-true.json", kdf_p=True),
+        variant("n-float.json", kdf_n=float(doc["kdf"]["n"])),
+        deep,
+        nested,
+    ]
+    results = {p.name: import_(p) for p in hostile}
+    refused = "memvault: error: " + str(tmp_path)
+    wrong = {
+        name: r.err
+        for name, r in results.items()
+        if r.code != 1
+        or not r.err.startswith(refused)
+        or "is not a usable memvault recovery kit" not in r.err
+        or r.err.count("\n") != 1
+    }
+    assert wrong == {}
+    for r in results.values():
+        no_secret(key, r)
+    assert keyring_key(vault) == key
+
+
 def test_kit_from_another_vault(vault: Any, tmp_path: Path) -> None:
     from vault import Vault
     from vault.store import shred
@@ -219,7 +267,7 @@ def test_kit_from_before_a_rotation(vault: Any, vault_db: Path, tmp_path: Path) 
 
     # Claiming the new key id in the header does not help: it is authenticated data.
     doc = json.loads(kit.read_text())
-    doc["kid"] = new_kid
+    doc["kid"], doc["kids"] = new_kid, [new_kid]
     forged = tmp_path / "forged.json"
     forged.write_text(json.dumps(doc))
     r = import_(forged)
@@ -350,25 +398,27 @@ def test_help_of_the_key_commands_has_an_example() -> None:
     assert "Exit codes" in run_cli("key", "import", "--help").out
 
 
-def test_a_revoke_racing_an_import_leaves_no_key_behind(
-    vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any
+@pytest.mark.parametrize(("command", "says"), [("revoke", "revoked"), ("shred", "^no vault at")])
+def test_a_revoke_or_shred_racing_an_import_leaves_no_key_behind(
+    vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any, command: str, says: str
 ) -> None:
     from vault.errors import VaultError
-    from vault.kit import import_kit
+    from vault.kitops import import_kit
 
     kit = tmp_path / "kit.json"
     assert export(kit).code == 0
+    vault_id = vault.vault_id  # read from the file, which a shred removes
     importer = type(vault).open(vault_db)
     real_get = importer.keystore.get
     raced: list[Any] = []
 
-    def get_after_a_revoke(name: str) -> Any:
-        if not raced:  # another process revokes between the kit check and the store
-            raced.append(run_cli("revoke", "--yes"))
+    def get_after_a_race(name: str) -> Any:
+        if not raced:  # another process revokes or shreds between the kit check and the store
+            raced.append(run_cli(command, "--yes"))
         return real_get(name)
 
-    monkeypatch.setattr(importer.keystore, "get", get_after_a_revoke)
-    with pytest.raises(VaultError, match="revoked"):
+    monkeypatch.setattr(importer.keystore, "get", get_after_a_race)
+    with pytest.raises(VaultError, match=says):
         import_kit(importer, kit, PASS)
     assert raced[0].code == 0, raced[0]
-    assert keyring_entries(vault.vault_id) == {}
+    assert keyring_entries(vault_id) == {}

@@ -164,6 +164,32 @@ def test_fifo_device_or_socket_is_not_a_vault(tmp_path: Path, what: str, args: l
             keep.close()
 
 
+@pytest.mark.parametrize("what", ["FIFO", "device"])
+@pytest.mark.parametrize("side", SIDES)
+def test_fifo_or_device_at_a_side_file_is_refused_then_unlinked_by_shred(
+    vault: Any, vault_db: Path, side: str, what: str
+) -> None:
+    add_items(vault_db, "s", [user("x")])
+    checkpoint(vault_db)
+    vid = vault.vault_id
+    entry = vault_db.with_name(vault_db.name + side)
+    if os.path.lexists(entry):
+        entry.unlink()
+    if what == "FIFO":
+        os.mkfifo(entry)
+    else:  # /dev/null's numbers: a character device (root may make one, as CI runs)
+        os.mknod(entry, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    kind = stat.S_IFMT(os.lstat(entry).st_mode)
+    # Never opened: a FIFO would block the command, SQLite would write to the device.
+    one_line(run_cli("clear", "s", "--yes", timeout=HANG), 1, entry.name, "move it away")
+    one_line(run_cli("show", "s", timeout=HANG), 1, entry.name, "move it away")
+    assert stat.S_IFMT(os.lstat(entry).st_mode) == kind
+    r = run_cli("--json", "shred", "--yes", timeout=HANG)
+    assert r.code == 0, r
+    assert entry.name in [f["name"] for f in r.json()["files"]]
+    assert gone(vault_db) and keyring_entries(vid) == {}
+
+
 def test_import_of_a_fifo_is_refused(vault: Any, tmp_path: Path) -> None:
     fifo = tmp_path / "carnet.db"
     os.mkfifo(fifo)

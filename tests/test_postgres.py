@@ -119,6 +119,7 @@ def test_guard_refuses_plaintext_and_other_keys(pg_vault: Any, pg_url: str) -> N
                 "content": "plaintext",
             }
         ),
+        *labels_given_twice(sealer),
     ]
     import asyncpg
 
@@ -128,6 +129,47 @@ def test_guard_refuses_plaintext_and_other_keys(pg_vault: Any, pg_url: str) -> N
         with pytest.raises(asyncpg.CheckViolationError, match=GUARD_MESSAGE):
             sql(pg_url, "UPDATE agent_messages SET message_data = $1", args=(data,))
     assert sql(pg_url, "SELECT count(*) AS n FROM agent_messages")[0]["n"] == 1
+
+
+def labels_given_twice(sealer: Any) -> list[str]:
+    """A valid envelope with plaintext hidden under a `payload` or `kid` given twice:
+    a parser that keeps the last label (jsonb, json.loads) sees only the envelope."""
+    env = sealer.envelope("s", "x")
+    head = '{"__enc__": 1, "v": 1, '
+    return [
+        head + f'"payload": "SECRET card 4111", "kid": "{env["kid"]}", '
+        f'"payload": "{env["payload"]}"}}',
+        head + f'"kid": "SECRET card 4111", "kid": "{env["kid"]}", "payload": "{env["payload"]}"}}',
+    ]
+
+
+def test_a_vault_made_before_the_json_member_count_gets_it_at_the_next_open(
+    pg_vault: Any, pg_url: str
+) -> None:
+    import asyncpg
+
+    from vault import pgschema
+    from vault.pg import PgVault
+    from vault.schema import GUARD_MESSAGE
+
+    # Put back the guard as m006 left it (members counted on jsonb) and forget m007.
+    schema = sql(pg_url, "SELECT current_schema() AS s")[0]["s"]
+    old = pgschema.guard_function(schema).replace(
+        "members IS DISTINCT FROM 4", "(SELECT count(*) FROM jsonb_object_keys(env)) <> 4"
+    )
+    sql(pg_url, old)
+    sql(pg_url, "DELETE FROM memvault_migrations WHERE name = 'm007_guard_counts_json_members'")
+    sealer = pg_vault.sealer()
+    sql(pg_url, "INSERT INTO agent_sessions (session_id) VALUES ('s')")
+    insert = "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', $1)"
+    doubled = labels_given_twice(sealer)[0]
+    sql(pg_url, insert, args=(doubled,))  # the old guard lets it in
+    sql(pg_url, "DELETE FROM agent_messages")
+
+    PgVault.open(pg_url)
+    with pytest.raises(asyncpg.CheckViolationError, match=GUARD_MESSAGE):
+        sql(pg_url, insert, args=(doubled,))
+    assert run_cli("--db", pg_url, "verify").code == 0
 
 
 def rotate_behind_its_back(url: str) -> tuple[str, str]:
@@ -293,8 +335,8 @@ def test_without_the_extra_a_url_says_how_to_install_it(pg_url: str, tmp_path: P
     r = run_cli("--db", pg_url, "status", env=env)
     assert r.code == 2, r
     assert r.err.strip() == (
-        "memvault: error: PostgreSQL support needs `pip install memvault[postgres]`; "
-        "nothing was changed"
+        "memvault: error: PostgreSQL support needs `pip install 'memvault[postgres]'` "
+        "(from a clone of the source: `pip install -e '.[postgres]'`); nothing was changed"
     )
     assert run_cli("--db", pg_url, "init", env=env).code == 2
 
@@ -591,3 +633,30 @@ def test_no_kit_is_exported_while_rows_still_need_the_old_key(
     assert run_cli("--db", pg_url, "rotate").code == 0
     r = export()
     assert r.code == 0 and kit.exists(), r
+
+
+def test_swapped_or_duplicated_envelopes_within_a_session_still_verify_on_postgres(
+    pg_vault: Any, pg_url: str
+) -> None:
+    # The known limit (SECURITY.md): a session's own envelopes authenticate wherever they
+    # stand in it, so a writer of the schema can reorder or copy them undetected. When
+    # detection lands, this test is inverted.
+    import vault
+
+    async def fill() -> None:
+        s = vault.open_session("s", pg_url)
+        await s.add_items([{"role": "user", "content": w} for w in ("first", "second")])
+
+    asyncio.run(fill())
+    (id1, one), (id2, two) = sql(pg_url, "SELECT id, message_data FROM agent_messages ORDER BY id")
+    update = "UPDATE agent_messages SET message_data = $1 WHERE id = $2"
+    sql(pg_url, update, args=(two, id1))
+    sql(pg_url, update, args=(one, id2))
+    insert = "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', $1)"
+    sql(pg_url, insert, args=(one,))
+    r = run_cli("--db", pg_url, "--json", "show", "s")
+    assert r.code == 0, r
+    order = [i["content"] for i in r.json()["items"]]
+    assert order == ["second", "first", "first"]
+    r = run_cli("--db", pg_url, "--json", "verify")
+    assert r.code == 0 and r.json()["ok"] is True, r

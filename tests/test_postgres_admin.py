@@ -247,6 +247,8 @@ def test_revoke_destroys_every_key_version_and_every_command_then_exits_4(
     # A restored copy's key (an older version) sits in the keyring too: it goes as well.
     KeyStore().set(entry_name(vault_id, old_kid), old_key)
     assert set(keyring_entries(vault_id)) == {f"{vault_id}/{old_kid}", f"{vault_id}/{new_kid}"}
+    new_key = KeyStore().get(entry_name(vault_id, new_kid))
+    assert new_key
     r = run_cli("--db", pg_url, "--json", "revoke", "--yes")
     assert r.code == 0, r
     doc = r.json()
@@ -257,6 +259,21 @@ def test_revoke_destroys_every_key_version_and_every_command_then_exits_4(
     states = {x["kid"]: x["state"] for x in sql(pg_url, "SELECT kid, state FROM memvault_keys")}
     assert states == {old_kid: "destroyed", new_kid: "destroyed"}
     assert count_rows(pg_url) == 2  # the rows stay, unreadable
+    # A writer still holding a key (the old one, or the one current at the revoke) is
+    # refused by the guard from the revoke on...
+    import asyncpg
+
+    from vault import crypto
+    from vault.schema import GUARD_MESSAGE
+
+    insert = "INSERT INTO agent_messages (session_id, message_data) VALUES ('s1', $1)"
+    late = [
+        crypto.Sealer(k).seal("s1", {"role": "user", "content": "late"}) for k in (old_key, new_key)
+    ]
+    for row in late:
+        with pytest.raises(asyncpg.CheckViolationError, match=GUARD_MESSAGE):
+            sql(pg_url, insert, args=(row,))
+    assert count_rows(pg_url) == 2
 
     st = run_cli("--db", pg_url, "--json", "status")
     assert st.code == 0 and st.json()["key"] == "key revoked", st
@@ -277,6 +294,15 @@ def test_revoke_destroys_every_key_version_and_every_command_then_exits_4(
     with pytest.raises(KeyRevoked):
         vault.open_session("s1", pg_url)
     assert count_rows(pg_url) == 2
+    # ...and a row written around the guard (trigger disabled, as the schema's owner can)
+    # is not read by anything: every keyed command still exits 4.
+    sql(pg_url, "ALTER TABLE agent_messages DISABLE TRIGGER memvault_guard")
+    sql(pg_url, insert, args=(late[0],))
+    sql(pg_url, "ALTER TABLE agent_messages ENABLE TRIGGER memvault_guard")
+    assert count_rows(pg_url) == 3
+    for command in (["show", "s1"], ["--json", "search", "late"], ["verify"]):
+        r = run_cli("--db", pg_url, *command)
+        assert r.code == 4 and "late" not in r.out + r.err.replace("latest", ""), r
     again = run_cli("--db", pg_url, "--json", "revoke", "--yes")
     assert again.code == 0 and again.json()["already_revoked"] is True, again
     r = run_cli("--db", pg_url, "--json", "log")
@@ -437,6 +463,7 @@ def test_two_hosts_share_a_vault_and_a_rotation_needs_the_new_kit(
             "state": "current",
             "in_keyring": True,
             "created_at": r.json()["keys"][0]["created_at"],
+            "backups": [],
         }
     ]
 

@@ -21,5 +21,5 @@ def test_a_postgresql_vault_prints_ids_and_items_escaped(pg_vault: Any, pg_url: 
     assert r.code == 0, r
     assert one_line_each(r.out)[1].startswith("s\\x1b[2J\\x1b[H\\nforged   9  0  - "), r
     r = run_cli("--db", pg_url, "show", "--", sid)
-    assert r.out == "[1] user: hi\\x1b]52;c;aGVsbG8=\\x07\tthere\n", r
+    assert r.out == "#1 user: hi\\x1b]52;c;aGVsbG8=\\x07\tthere\n", r
     assert run_cli("--db", pg_url, "--json", "sessions").json()[0]["session_id"] == sid

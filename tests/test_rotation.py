@@ -70,10 +70,25 @@ def tokens(db: Path, session_id: str | None = None) -> list[str]:
     return [env["payload"] for _, sid, env in rows(db) if session_id in (None, sid)]
 
 
+# A token is cut into chunks of this many characters and each is searched for: an item
+# larger than a page spills into overflow pages, and any of them could be left behind.
+CHUNK = 32
+
+
 def residue(db: Path, toks: list[str]) -> list[str]:
-    """The tokens whose first 40 characters still occur in the db, -wal, -shm or -journal."""
+    """The tokens of which any chunk still occurs in the db, -wal, -shm or -journal."""
     data = raw_bytes(db)
-    return [t for t in toks if t[:40].encode("ascii") in data]
+    return [
+        t
+        for t in toks
+        if any(
+            t[i : i + CHUNK].encode("ascii") in data for i in range(0, len(t) - CHUNK + 1, CHUNK)
+        )
+    ]
+
+
+# Larger than a 4096-byte page once sealed: its token fills overflow pages.
+BIG = "overflow " * 1000
 
 
 def insert_sealed(
@@ -192,6 +207,15 @@ def one_line_error(r: CLIResult) -> str:
     assert "Traceback" not in err, r
     assert err.startswith("memvault: error:"), r
     return err
+
+
+def populate_with_a_big_item(db: Path) -> dict[str, list[Any]]:
+    """populate's sessions, and in chat-a one item whose token spans overflow pages."""
+    expected = populate(db)
+    add_items(db, "chat-a", [user(BIG)])
+    expected["chat-a"].append(user(BIG))
+    assert max(len(t) for t in tokens(db, "chat-a")) > 4096
+    return expected
 
 
 def populate(db: Path) -> dict[str, list[Any]]:
@@ -412,7 +436,7 @@ def test_stale_vault_object_rotates_with_the_current_key(vault: Vault, vault_db:
 def test_scrub_after_rotate_leaves_no_old_token(
     vault: Vault, vault_db: Path, open_elsewhere: bool
 ) -> None:
-    populate(vault_db)
+    populate_with_a_big_item(vault_db)
     old_tokens = tokens(vault_db)
     assert residue(vault_db, old_tokens) == old_tokens  # the scanner sees what is there
     with bystander(vault_db) if open_elsewhere else contextlib.nullcontext():
@@ -433,11 +457,13 @@ def test_scrub_after_purge_leaves_no_deleted_token(
     insert_sealed(vault_db, sealer, "old", [({"n": i}, now - 7200 - i) for i in range(20)])
     insert_sealed(vault_db, sealer, "mixed", [({"n": i}, now - 7200) for i in range(5)])
     insert_sealed(vault_db, sealer, "mixed", [({"fresh": i}, now - 10) for i in range(5)])
-    doomed = tokens(vault_db, "old") + tokens(vault_db)[20:25]
-    kept = tokens(vault_db)[25:]
+    insert_sealed(vault_db, sealer, "big", [({"big": BIG}, now - 7200)])
+    doomed = tokens(vault_db, "old") + tokens(vault_db, "mixed")[:5] + tokens(vault_db, "big")
+    kept = tokens(vault_db, "mixed")[5:]
+    assert max(len(t) for t in doomed) > 4096
     with bystander(vault_db) if open_elsewhere else contextlib.nullcontext():
         report = vault.purge(now=now)
-        assert report.counts == {"deleted": 25, "kept": 5, "unreadable": 0}
+        assert report.counts == {"deleted": 26, "kept": 5, "unreadable": 0}
         assert report.scrubbed
         assert residue(vault_db, doomed) == []
         assert residue(vault_db, kept) == kept
@@ -446,7 +472,7 @@ def test_scrub_after_purge_leaves_no_deleted_token(
 
 @pytest.mark.parametrize("how", ["library", "cli", "session"])
 def test_scrub_after_clear_leaves_no_deleted_token(vault: Vault, vault_db: Path, how: str) -> None:
-    expected = populate(vault_db)
+    expected = populate_with_a_big_item(vault_db)
     doomed = tokens(vault_db, "chat-a")
     kept = tokens(vault_db, "chat-b") + tokens(vault_db, "chat-c")
     with bystander(vault_db):
@@ -475,7 +501,7 @@ def test_scrub_after_clear_leaves_no_deleted_token(vault: Vault, vault_db: Path,
 def test_control_rotate_without_scrub_leaves_residue_the_scanner_finds(
     vault: Vault, vault_db: Path
 ) -> None:
-    populate(vault_db)
+    populate_with_a_big_item(vault_db)
     old_tokens = tokens(vault_db)
     with bystander(vault_db):
         report = vault.rotate(scrub=False)
@@ -495,7 +521,8 @@ def test_control_purge_and_clear_without_scrub_leave_residue(
 ) -> None:
     sealer = vault.sealer()
     now = int(time.time())
-    insert_sealed(vault_db, sealer, "gone", [({"n": i}, now - 7200) for i in range(10)])
+    insert_sealed(vault_db, sealer, "gone", [({"n": i}, now - 7200) for i in range(9)])
+    insert_sealed(vault_db, sealer, "gone", [({"big": BIG}, now - 7200)])
     doomed = tokens(vault_db, "gone")
     real_scrub = Vault.scrub
     with bystander(vault_db):
@@ -664,7 +691,8 @@ def test_blocked_scrub_cli_purge_and_clear_say_so(
 ) -> None:
     sealer = vault.sealer()
     now = int(time.time())
-    insert_sealed(vault_db, sealer, "gone", [({"n": i}, now - 7200) for i in range(10)])
+    insert_sealed(vault_db, sealer, "gone", [({"n": i}, now - 7200) for i in range(9)])
+    insert_sealed(vault_db, sealer, "gone", [({"big": BIG}, now - 7200)])
     doomed = tokens(vault_db, "gone")
     with bystander(vault_db), reader_holding_snapshot(vault_db) as reader:
         args = ["purge", "--yes"] if command == "purge" else ["clear", "gone", "--yes"]

@@ -147,7 +147,7 @@ def test_every_printing_command_escapes_what_a_terminal_acts_on(
         out = world.run("show", "--", sid).stdout
         safe_text(out)
         expected = [
-            f"[{i}] {item['role']}: {escape_text(item['content'])}"
+            f"#{i} {item['role']}: {escape_text(item['content'])}"
             for i, item in enumerate(written, 1)
         ]
         assert out == "".join(line + "\n" for line in expected)
@@ -178,7 +178,7 @@ def test_every_printing_command_escapes_what_a_terminal_acts_on(
         one_line_each(result.stderr)
     for command in ("backup", "status", "verify"):
         assert escape_line(str(world.db)) in printed[command] or command == "backup"
-    for command in ("backup", "log"):
+    for command in ("backup", "log", "key"):
         assert escape_line(str(dest)) in printed[command]
 
     # The questions name the vault's path and the session: answered no, on two lines.
@@ -226,7 +226,7 @@ def test_show_never_replays_an_items_escape_sequences(vault: Any, vault_db: Path
     r = run_cli("show", "s")
     assert r.code == 0, r
     assert r.out == (
-        "[1] user: copy this\\x1b]52;c;aGVsbG8=\\x07\\x1b[2J\\x1b[H\\x9b2J\\x7f\tcolumn\n"
+        "#1 user: copy this\\x1b]52;c;aGVsbG8=\\x07\\x1b[2J\\x1b[H\\x9b2J\\x7f\tcolumn\n"
         "line two\\r\n"
     )
     assert run_cli("--json", "show", "s").json()["items"] == [user(text)]
@@ -246,6 +246,20 @@ def test_pop_and_clear_name_the_session_escaped(vault: Any, vault_db: Path) -> N
     assert r.code == 0 and one_line_each(r.out) == ["removed 1 item from s\\x1b[2J\\x1b[H\\nx"], r
     r = run_cli("clear", "--yes", "--", sid)
     assert r.code == 0 and one_line_each(r.out)[0].startswith("cleared s\\x1b[2J\\x1b[H\\nx: "), r
+
+
+def test_rotate_key_list_and_forget_show_a_backups_path_escaped(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user("hello")])
+    dest = tmp_path / f"b{OSC52}\n{CLEAR}.db"
+    shown = "b\\x1b]52;c;aGVsbG8=\\x07\\n\\x1b[2J\\x1b[H.db"
+    assert run_cli("backup", str(dest)).code == 0
+    old_kid = run_cli("--json", "status").json()["kid"]
+    for args in (["rotate", "--yes"], ["key", "list"], ["key", "forget", old_kid, "--yes"]):
+        r = run_cli(*args)
+        assert r.code == 0, (args, r)
+        assert sum(shown in line for line in one_line_each(r.out) + one_line_each(r.err)) >= 1, r
 
 
 def test_error_lines_show_the_values_they_quote_escaped(tmp_path: Path) -> None:

@@ -91,6 +91,12 @@ def test_bad_patterns_are_usage_errors(history: None) -> None:
     assert dash.code == 1 and "no item matches '--force'" in dash.err
 
 
+def test_regex_too_large_to_compile_is_a_usage_error(history: None) -> None:
+    # A repeat count past the compiler's integer, and a nesting past its stack.
+    one_line(run_cli("search", "--regex", "a{99999999999}"), 2, "too large to compile")
+    one_line(run_cli("search", "--regex", "(" * 5000 + ")" * 5000), 2, "too large to compile")
+
+
 def test_expired_items_are_skipped_unless_asked_for(vault: Any, vault_db: Path) -> None:
     now = int(time.time())
     insert_sealed(vault_db, "s", [user("old PLAN-B")], now - 7200)  # the TTL is 1 h

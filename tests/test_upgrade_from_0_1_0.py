@@ -26,6 +26,7 @@ from tests.conftest import authenticated_counts, keyring_entries, run_cli
 from vault import crypto
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
+from vault.schema import FORMAT
 from vault.verify import expected_triggers
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v0_1_0"
@@ -92,7 +93,7 @@ def test_a_0_1_0_vault_reads_every_item(old_vault: OldVault) -> None:
         lines = r.out.splitlines()
         assert len(lines) == len(items), r
         for i, line in enumerate(lines, 1):
-            assert line.startswith(f"[{i}] "), r
+            assert line.startswith(f"#{i} "), r
 
 
 def meta_of(db: Path) -> dict[str, str]:
@@ -103,7 +104,7 @@ def meta_of(db: Path) -> dict[str, str]:
 def assert_moved(db: Path, vault_id: str, key: str) -> None:
     """The 0.1.0 names are gone; the file's key is under its own version's name."""
     meta = meta_of(db)
-    assert meta["format"] == "memvault/2" and "legacy_entries" not in meta, meta
+    assert meta["format"] == FORMAT and "legacy_entries" not in meta, meta
     assert crypto.key_id(key) == meta["kid"]
     assert keyring_entries(vault_id) == {entry_name(vault_id, meta["kid"]): key}
 

@@ -76,13 +76,17 @@ def test_show_says_how_many_items_the_ttl_hides(vault: Any, vault_db: Path) -> N
     insert_sealed(vault_db, "old", [user("a"), assistant("b")], now - 7200)  # ttl is 1h
     r = run_cli("show", "old")
     assert r.code == 0, r
-    assert r.out == "2 expired items hidden by the TTL (1h); `memvault purge` deletes them\n"
+    assert r.out == (
+        "2 expired items hidden by the TTL (1h); `memvault purge` deletes them, "
+        "--include-expired shows them\n"
+    )
     insert_sealed(vault_db, "mixed", [user("gone")], now - 7200)
     insert_sealed(vault_db, "mixed", [user("here")], now)
     r = run_cli("show", "mixed")
     assert r.out.splitlines() == [
-        "[1] user: here",
-        "1 expired item hidden by the TTL (1h); `memvault purge` deletes them",
+        "#2 user: here",
+        "1 expired item hidden by the TTL (1h); `memvault purge` deletes them, "
+        "--include-expired shows them",
     ]
 
 

@@ -47,7 +47,8 @@ def open_session(
 
     `db_path` (or `$MEMVAULT_DB`) may also be a URL `postgresql+asyncpg://user:password@
     host:port/dbname[?schema=NAME]`: the session is then the same EncryptedSession over
-    the SDK's `SQLAlchemySession` (needs `pip install memvault[postgres]`).
+    the SDK's `SQLAlchemySession` (needs `pip install 'memvault[postgres]'`,
+    or `pip install -e '.[postgres]'` in a clone).
 
     The vault must exist (`memvault init`); its key comes from the OS keyring and
     is checked against the file before anything is read or written.

@@ -8,7 +8,12 @@ free pages, which may still hold ciphertext deleted without `secure_delete`.
 deleted before the backup.
 
 The copy keeps the vault id and the key id: it opens with the same keyring
-key, and no key is ever copied. A vault whose key is missing (new keyring, lost
+key, and no key is ever copied. Every backup is recorded in the live vault first
+(vault.retention): while the record exists, a rotation keeps the backup's key
+version (retained) instead of destroying it. A backup whose record cannot be
+written is not made, or is removed again. The copy is marked as a backup
+(vault.backupmark): writing commands refuse it until `memvault restore` makes it
+the live vault. A vault whose key is missing (new keyring, lost
 entry) is still backed up, since a recovery kit may hold its key; the result
 says so. A revoked vault is refused: nothing can ever read its copy.
 """
@@ -23,12 +28,14 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from . import files, paths, testhooks
-from .db import connect, is_busy, is_damage, sqlite_errors
-from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy
-from .schema import MESSAGES_TABLE, SESSIONS_TABLE
+from . import backupmark, files, paths, retention, testhooks
+from .crypto import Sealer
+from .db import connect, is_busy, is_damage, set_meta, sqlite_errors
+from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
+from .keyjournal import DESTROYED, PENDING
+from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC
 from .store import Vault
 
 KEY_OK = "present and matching"
@@ -51,6 +58,7 @@ class BackupResult:
     key_problem: str | None = None
     restore: list[str] = field(default_factory=list)
     audited: bool = True  # False: made, but the audit event could not be written
+    backup_id: str = ""  # also in the copy's meta and in the live vault's record
 
     @property
     def key_ok(self) -> bool:
@@ -75,6 +83,31 @@ def check_destination(dest: str | os.PathLike[str]) -> Path:
                 "move it away or choose another name for the backup; nothing was written"
             )
     return target
+
+
+class Checked(Protocol):
+    """What `key_check` asks of a vault (a file vault or a PostgreSQL one)."""
+
+    def sealer(self, refresh: bool = False) -> Sealer: ...
+    def backups(self) -> list[dict[str, Any]]: ...
+
+
+def key_check(vault: Checked, rec: retention.BackupRecord, kid: str) -> str | None:
+    """Why this keyring cannot open the copy, or None when it can: the current key, or a
+    rotation committed during the backup retained the copy's key for it."""
+    try:
+        key_kid = vault.sealer(refresh=True).kid
+    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
+        return exc.message
+    if key_kid == kid:
+        return None
+    mine = [b for b in vault.backups() if b["backup_id"] == rec.backup_id]
+    if mine and mine[0]["readable"]:
+        return None
+    return (
+        f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
+        f"open the copy (key {kid}); run `memvault backup` again"
+    )
 
 
 def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
@@ -109,31 +142,27 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
             "it; nothing was written"
         )
     target = check_destination(dest)
-    kid, vault_id, sessions, items = _copy(vault, target)
+    rec, (kid, vault_id, sessions, items) = recorded_copy(
+        vault,
+        target,
+        lambda rec, keep: vacuum_copy(
+            vault, target, mark_as_backup(meta["vault_id"], rec.backup_id), "backup", keep
+        ),
+    )
     testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still
     # worth having (a recovery kit may hold the key). Checked after the copy, against
     # the copy's kid, so a rotation committed during the backup is noticed (and a
     # rotation cut off before its key was promoted is finished by `sealer`).
-    key_problem: str | None = None
-    try:
-        key_kid = vault.sealer(refresh=True).kid
-    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
-        key_problem = exc.message
-    else:
-        if key_kid != kid:
-            key_problem = (
-                f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
-                f"open the copy (key {kid}); run `memvault backup` again"
-            )
+    key_problem = key_check(vault, rec, kid)
     audited = True
     try:
-        vault.record("backup", kid, items=items, sessions=sessions, to=str(target))
+        vault.record("backup", kid, items=items, sessions=sessions, to=rec.path)
     except (VaultBusy, OperationFailed):
         audited = False  # the copy is made and sound: say so rather than fail
     st = os.stat(target)
     return BackupResult(
-        path=str(target),
+        path=rec.path,
         source=str(vault.path),
         vault_id=vault_id,
         kid=kid,
@@ -145,64 +174,168 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
         key_problem=key_problem,
         restore=restore_steps(target, kid, key_problem is None),
         audited=audited,
+        backup_id=rec.backup_id,
     )
 
 
-def write_new_copy(target: Path, fill: Callable[[], None]) -> tuple[str, str, int, int]:
-    """Create `target` (new, private, empty), let `fill` write a vault into it, check it is
-    still the file created, settle and check it; (kid, vault_id, sessions, items).
+Adjust = Callable[[sqlite3.Connection], None]
 
-    Anything that fails after the file was created removes it again (and its side files).
+
+def mark_as_backup(vault_id: str, backup_id: str) -> Adjust:
+    """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id`.
+
+    The mark names the copy as the live vault's record names it. A pending version is
+    the live vault's rotation in flight: the copy's tidy-up on open would delete its
+    entry under that rotation's feet (pgbackup never copies one either).
     """
-    try:
-        files.write_private(target, b"")  # O_EXCL | O_NOFOLLOW, 0600 from the first byte
-    except FileExistsError:
-        raise BadInput(
-            f"{target} appeared while the backup was starting; give a new file name; "
-            "nothing was written"
-        ) from None
-    except OSError as exc:
-        raise OperationFailed(
-            f"cannot create {target} ({exc.strerror}); choose a writable folder; "
-            "nothing was written"
-        ) from None
-    created = os.lstat(target)
-    try:
-        fill()
-        now = os.lstat(target)
-        if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
+
+    def adjust(conn: sqlite3.Connection) -> None:
+        conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
+        set_meta(conn, **backupmark.new_mark(vault_id, backup_id))
+
+    return adjust
+
+
+TEMP_TAG = "backup"  # built as `.memvault-backup-*` beside the target, then linked into place
+
+
+def _looks_like_backup(head: bytes) -> bool:
+    return head == b"" or head.startswith(SQLITE_MAGIC)
+
+
+class Recorder(Protocol):
+    """The live vault's records of its backups (a file vault's or a PostgreSQL one's)."""
+
+    def record_backup(self, target: Path) -> retention.BackupRecord: ...
+    def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None: ...
+    def drop_backup(self, rec: retention.BackupRecord) -> None: ...
+
+
+Copy = tuple[str, str, int, int]
+
+
+def recorded_copy(
+    vault: Recorder,
+    target: Path,
+    make: Callable[[retention.BackupRecord, Callable[[str], None]], Copy],
+) -> tuple[retention.BackupRecord, Copy]:
+    """Record the backup in the live vault, then let `make` write it; both engines.
+
+    The record comes first (committed, under the key the vault uses now), so that no
+    moment exists where a backup is on disk and a rotation could destroy its key
+    unrecorded. `make` calls `keep(kid)` with the copy's key before it settles: the
+    record takes that kid (a rotation may have committed before the snapshot), and a
+    copy whose key was destroyed meanwhile (two rotations) is removed. Any failure
+    drops the record again; a crash leaves a record that `key list` flags as missing.
+    """
+    rec = vault.record_backup(Path(os.path.abspath(target)))
+
+    def keep(kid: str) -> None:
+        if vault.settle_backup(rec, kid) == DESTROYED:
             raise OperationFailed(
-                f"{target} was replaced while the backup was written; the backup was not made"
+                f"the vault was rotated twice during the backup: key {kid} of the copy was "
+                "destroyed meanwhile; the backup was removed; run `memvault backup` again"
             )
-        return _settle(target)
+
+    try:
+        return rec, make(rec, keep)
     except BaseException:
-        _remove(target, created)
+        with contextlib.suppress(VaultError):
+            vault.drop_backup(rec)
         raise
 
 
-def _copy(vault: Vault, target: Path) -> tuple[str, str, int, int]:
-    """VACUUM INTO a new private file, settle it, check it; (kid, vault_id, sessions, items)."""
+def write_new_copy(
+    target: Path,
+    fill: Callable[[Path], None],
+    adjust: Adjust,
+    keep: Callable[[str], None] | None = None,
+) -> Copy:
+    """Let `fill` write a vault into a new private file beside `target`, settle and check
+    it, then give it `target`'s name; (kid, vault_id, sessions, items).
 
-    def vacuum_into() -> None:
-        with vault.connection() as conn:
+    The copy appears at `target` whole or not at all: a kill at any instant leaves at
+    most a temporary file, which the next backup into that folder removes. Anything that
+    fails removes the temporary file (and its side files); `target` is never replaced.
+
+    `adjust` changes the copy's meta in the settling transaction; `keep(kid)` may still
+    refuse the settled copy.
+    """
+    folder = target.absolute().parent
+    files.remove_stale_temps(folder, TEMP_TAG, _looks_like_backup, paths.sidecars)
+    try:
+        fd, tmp = files.create_temp(folder, TEMP_TAG)  # O_EXCL | O_NOFOLLOW, 0600
+    except OSError as exc:
+        raise OperationFailed(
+            f"cannot create a file beside {target} ({exc.strerror}); choose a writable "
+            "folder; nothing was written"
+        ) from None
+    created = os.fstat(fd)
+    try:
+        fill(tmp)
+        now = os.lstat(tmp)
+        if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
+            raise OperationFailed(
+                f"{tmp} was replaced while the backup was written; the backup was not made"
+            )
+        result = _settle(tmp, adjust)
+        if keep is not None:
+            keep(result[0])
+        testhooks.failpoint("backup-settled")
+        try:
+            os.link(tmp, target)  # never over a file that appeared meanwhile
+        except FileExistsError:
+            raise BadInput(
+                f"{target} appeared while the backup was written; give a new file name; "
+                "nothing was written"
+            ) from None
+        except OSError as exc:
+            raise OperationFailed(
+                f"cannot create {target} ({exc.strerror}); choose a writable folder; "
+                "nothing was written"
+            ) from None
+        os.unlink(tmp)
+        files.fsync_dir(folder)
+        return result
+    except BaseException:
+        _remove(tmp, created)
+        raise
+    finally:
+        os.close(fd)  # last: the lock tells another backup this file is being written
+
+
+def vacuum_copy(
+    source: Vault,
+    target: Path,
+    adjust: Adjust,
+    what: str,
+    keep: Callable[[str], None] | None = None,
+) -> Copy:
+    """`write_new_copy` filled by VACUUM INTO from `source`; (kid, vault_id, sessions, items).
+
+    `what` ("backup", "restore") names the copy in messages and test pause points.
+    """
+
+    def vacuum_into(dest: Path) -> None:
+        with source.connection() as conn:
             # VACUUM INTO accepts an existing empty file and keeps its mode. The
             # connection takes URIs, so the name is passed as one (a '?' or '#' in a
             # path stays part of the name).
             try:
-                conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(target)),))
+                conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(dest)),))
             except sqlite3.Error as exc:
                 if is_busy(exc) or is_damage(exc):
                     raise  # the vault's own state: said as every command says it
                 raise OperationFailed(
-                    f"cannot write the backup {target} ({exc}); nothing was written; check "
+                    f"cannot write the {what} {target} ({exc}); nothing was written; check "
                     "the free space and the permissions of its folder"
                 ) from None
-        testhooks.failpoint("backup-vacuumed")
+        testhooks.failpoint(f"{what}-vacuumed")
 
-    return write_new_copy(target, vacuum_into)
+    return write_new_copy(target, vacuum_into, adjust, keep)
 
 
-def _settle(target: Path) -> tuple[str, str, int, int]:
+def _settle(target: Path, adjust: Adjust) -> tuple[str, str, int, int]:
     """Give the copy the vault's journal mode, mark it scrubbed, and check it.
 
     VACUUM INTO writes a rollback-journal file; `Vault.init` makes WAL files, so the
@@ -218,6 +351,7 @@ def _settle(target: Path) -> tuple[str, str, int, int]:
             conn.execute(
                 "UPDATE memvault_meta SET value = '0' WHERE key = 'scrub_pending' AND value != '0'"
             )
+            adjust(conn)
             conn.execute("COMMIT")
             check = conn.execute("PRAGMA integrity_check").fetchall()
             if check != [("ok",)]:

@@ -50,6 +50,28 @@ class State:
 MAX_COUNT = 2**63 - 1
 
 
+class Count(click.IntRange):
+    """A count from 1 to MAX_COUNT. `--help` shows `x>=1`: the 64-bit ceiling is named
+    only to someone who passes it."""
+
+    name = "count"
+
+    def __init__(self) -> None:
+        super().__init__(min=1, max=MAX_COUNT)
+
+    def _describe_range(self) -> str:
+        return "x>=1"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        n = click.INT.convert(value, param, ctx)
+        if n > MAX_COUNT:
+            self.fail(f"{n} is not in the range 1<=x<={MAX_COUNT} (the largest count)", param, ctx)
+        return super().convert(n, param, ctx)
+
+
+COUNT = Count()
+
+
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """`1 item`, `2 items`: every count in a human message goes through here."""
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
@@ -151,7 +173,10 @@ def common(fn: F) -> F:
         type=PATH,
         expose_value=False,
         callback=_remember_db,
-        help="Vault file (default: $MEMVAULT_DB, else the platformdirs data folder).",
+        help=(
+            "The vault: a file, or a postgresql:// URL (default: $MEMVAULT_DB, else "
+            "history.db in the platformdirs data folder)."
+        ),
     )(fn)
     return fn
 
@@ -248,6 +273,13 @@ def duration(_ctx: click.Context | None, _param: click.Parameter | None, value: 
         return ("set", durations.parse_duration(value))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def hide_options(command: click.Command, *names: str) -> None:
+    """Leave the shared options a command refuses out of its --help."""
+    for param in command.params:
+        if param.name in names and isinstance(param, click.Option):
+            param.hidden = True
 
 
 def refuse_option(option: str, command: str, why: str) -> None:
@@ -348,8 +380,9 @@ if NO_ARGS_IS_HELP is click.exceptions.UsageError:  # pragma: no cover (Click 8.
 def cli() -> None:
     """Encrypted-at-rest history for OpenAI Agents SDK sessions.
 
-    The vault is a SQLite file whose items are sealed with Fernet under a random
-    master key kept in the OS keyring, never beside the file.
+    The vault is a SQLite file, or a PostgreSQL database (--db postgresql://...),
+    whose items are sealed with Fernet under a random master key kept in the OS
+    keyring, never beside the data.
 
     \b
     Example:
@@ -367,4 +400,13 @@ def main() -> None:
 
 
 # The commands register themselves on `cli`; imported last, since they import it from here.
-from . import cli_admin, cli_agent, cli_care, cli_data, cli_history, cli_keys, cli_shell  # noqa: E402, F401
+from . import (  # noqa: E402, F401
+    cli_admin,
+    cli_agent,
+    cli_care,
+    cli_data,
+    cli_history,
+    cli_kept,  # noqa: E402, F401  (after cli_keys: it adds to the `key` group)
+    cli_keys,
+    cli_shell,
+)

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from .backupmark import refuse_writes
 from .cli import (
     PATH,
     check_scrub,
@@ -38,6 +39,7 @@ def purge(yes: bool) -> None:
       memvault purge --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault purge`")  # before anything is asked
     vault.sealer()
     if not yes:
         # Counted from timestamps (unverified): purge itself deletes only what authenticates.
@@ -73,13 +75,28 @@ def purge(yes: bool) -> None:
     check_scrub(report.scrubbed)
 
 
+def _kept_note(c: dict[str, Any]) -> str:
+    """What became of the old key, and which recorded backups still open, and why."""
+    from .cli_kept import backup_lines
+
+    if c.get("old_key") == "retained":
+        head = f"\n  old key {c['old_kid']} retained (decrypt-only) for the backups that use it"
+    else:
+        head = f"\n  old key {c['old_kid']} destroyed: no recorded backup uses it"
+    lines = backup_lines(c.get("backups", []), "  backup ")
+    return head + "".join("\n" + line for line in lines)
+
+
 def _on_postgres(vault: Any) -> bool:
     return getattr(vault, "backend", None) == "postgresql"
 
 
 @cli.command()
+# Accepted as on every command that can ask, so that scripts pass it without
+# knowing which ones ask today.
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @common
-def rotate() -> None:
+def rotate(yes: bool) -> None:
     """Replace the key: re-encrypt every item, keep timestamps, scrub old bytes.
 
     Older recovery kits stop working after a rotation: export a new one.
@@ -93,6 +110,8 @@ def rotate() -> None:
     with progress(vault.count_items(), "rotating") as bar:
         report = vault.rotate(progress=bar)
     c = report.counts
+    # Its own field: a kit made before this rotation lacks the new key.
+    c["kit_reminder"] = "older recovery kits no longer match: run `memvault key export` again"
     note = ""
     if _on_postgres(vault):
         from .pg import PG_ROTATE_NOTE
@@ -106,7 +125,7 @@ def rotate() -> None:
             f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
-            "  older recovery kits no longer match: run `memvault key export` again" + note
+            f"  {c['kit_reminder']}" + note + _kept_note(c)
         ),
     )
     check_scrub(report.scrubbed)
@@ -126,6 +145,7 @@ def revoke(yes: bool) -> None:
       memvault revoke --yes && memvault shred --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault revoke`")  # before anything is asked
     confirm(
         f"Destroy the key of the vault {vault.path}? Its history can never be read again",
         yes,
@@ -146,7 +166,9 @@ def revoke(yes: bool) -> None:
         if r["already_revoked"]:
             finished = ""
             if r["key_destroyed"]:
-                finished = f"; destroyed what a cut-off revoke had left (key {_kids(r)})"
+                # A second host's revoke, or one finishing a revoke cut off: either way
+                # what happened is that this keyring still held the key, and now does not.
+                finished = f"; this keyring still held its key: destroyed it ({_kids(r)})"
             say(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
                 f"`memvault shred` removes the {'rows' if _on_postgres(vault) else 'file'}" + hosts
@@ -278,6 +300,8 @@ def _shred_summary(r: dict[str, Any]) -> str:
     else:
         counts = f"{r['items']} item(s) in {r['sessions']} session(s)"
     key = f"destroyed ({_kids(r)})" if r.get("key_destroyed") else "already gone"
+    if r.get("keys_kept"):
+        key = r["keys_kept"]
     if r.get("key_problem"):
         key = f"not destroyed: {r['key_problem']}"
     return f"shredded {r['path']}: {counts}; key {key}; files " + ", ".join(

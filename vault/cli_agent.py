@@ -1,5 +1,5 @@
 """`memvault` commands around the agent: import a plaintext SQLiteSession file,
-run the guide's demo, chat. Logic in vault.importer, vault.demo and vault.chat,
+run the demo's four checks, chat. Logic in vault.importer, vault.demo and vault.chat,
 imported inside each command (the Agents SDK only by demo and chat).
 """
 
@@ -14,6 +14,7 @@ from .cli import (
     common,
     confirm,
     emit,
+    hide_options,
     open_vault,
     plural,
     postgres_url,
@@ -30,11 +31,19 @@ from .textsafe import escape_line, escape_text
 @click.option("--keep", is_flag=True, help="Keep the throwaway vault folder for inspection.")
 @common
 def demo(keep: bool) -> None:
-    """Run the guide's four checks in a throwaway vault, each step its own process.
+    """Show that the history is kept, encrypted, across processes: four checks
+    in a throwaway vault, each step its own process.
+
+    \b
+    1. write: an agent turn stores a code name, and the process exits;
+    2. recall: a new process reads the history back and the model is given
+       the code name;
+    3. clear: `memvault clear` empties the session, another one is untouched;
+    4. negative control: the same session id without the vault finds nothing.
 
     Uses the real model when OPENAI_API_KEY is set, else an offline stand-in
-    that can only answer from the history it is given. --db and --json are
-    refused (exit 2): the demo makes its own vault and prints a narrative.
+    that can only answer from the history it is given. It makes its own vault
+    and prints a narrative: the global --db and --json are refused (exit 2).
 
     \b
     Example:
@@ -49,6 +58,9 @@ def demo(keep: bool) -> None:
     ok = run_demo(keep=keep, echo=lambda text: click.echo(escape_text(text)))
     if not ok:
         raise VaultError("the demo found a failing check (see above)")
+
+
+hide_options(demo, "db", "as_json")  # refused above: its --help does not offer them
 
 
 @cli.command("import")
@@ -142,6 +154,11 @@ def import_cmd(
         )
         for s in r["sessions"]:
             say(f"  {escape_line(s['session_id']):<30} {plural(s['items'], 'item'):>11}")
+        for s in r["already_imported"]:  # by a killed run of the same command
+            say(
+                f"  {escape_line(s['session_id']):<30} {plural(s['items'], 'item'):>11}  "
+                "already imported by the interrupted run; not imported again"
+            )
         shredded = r["source_shredded"]
         if shredded:
             say(
@@ -176,3 +193,6 @@ def chat(session_id: str, model: str | None) -> int:
     from .chat import run_chat
 
     return run_chat(state().db, session_id, model)
+
+
+hide_options(chat, "as_json")  # refused above: its --help does not offer it

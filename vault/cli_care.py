@@ -7,7 +7,19 @@ from __future__ import annotations
 
 import click
 
-from .cli import cli, common, emit, open_vault, plural, postgres_url, say, state
+from .cli import (
+    PATH,
+    cli,
+    common,
+    confirm,
+    emit,
+    open_vault,
+    plural,
+    postgres_url,
+    refuse_option,
+    say,
+    state,
+)
 from .errors import KeyProblem, OperationFailed
 
 
@@ -27,9 +39,11 @@ def backup_cmd(dest: str) -> None:
     A vault whose key is missing from this keyring is still backed up, with a
     warning (a recovery kit may hold the key); a revoked vault is refused
     (exit 4). DEST must not exist: an existing file, link or FIFO is refused
-    (exit 2) and left untouched. Do not `memvault shred` a backup you no
-    longer need: it shares the live vault's key until the next rotation, and
-    shred destroys that key; delete the file instead.
+    (exit 2) and left untouched. The copy is marked as a backup: commands that
+    write (rotate, purge, clear, pop, ttl, import, revoke, an agent's session)
+    refuse it; `memvault restore DEST` makes it the live vault again.
+    `memvault --db DEST shred` destroys the copy but keeps the key versions it
+    shares with the live vault.
 
     On a PostgreSQL vault (--db URL), DEST is a new vault file (SQLite) holding
     one snapshot of it, rows as they are, opened with the same keyring entry;
@@ -165,3 +179,68 @@ def verify_cmd() -> None:
         found = ", ".join(f"{kind} {n}" for kind, n in report.problems.items() if n)
         where = "the JSON document" if state().json else "the list above"
         raise OperationFailed(f"verify found problems in {report.path}: {found}; see {where}")
+
+
+@cli.command("restore")
+@click.argument("backup", metavar="BACKUP", type=PATH)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def restore_cmd(backup: str, yes: bool) -> None:
+    """Make BACKUP (a file `memvault backup` wrote, or a copy) the live vault at --db.
+
+    BACKUP must be a copy of the vault at --db (same vault id), or of a vault
+    that is no longer there (restore to a path with no vault only when the
+    original is gone: both would share one set of keys), and every item must
+    authenticate with the keys in
+    this keyring (`memvault --db BACKUP key import KIT` first if it needs an
+    older key). The restored vault is a new compact copy of BACKUP, no longer
+    marked as a backup; BACKUP itself stays as it is.
+
+    Crash-safe: the vault being replaced stays whole under its name until the
+    copy is complete, then is overwritten and deleted; a restore cut off at any
+    point is rolled back or finished by the next command that opens the vault.
+    Refuses (exit 5) while another process has the vault open. Items the
+    vault got after the backup was made are gone once it is restored: export
+    them first if you need them.
+
+    \b
+    Exit codes:
+      1  BACKUP is of another vault, does not verify, or the answer was no
+      3  no vault at BACKUP, or --db names a file that is not a vault
+      4  the keyring cannot open every item of BACKUP
+      5  the vault is in use by another process
+
+    \b
+    Example:
+      memvault restore ~/backups/history-2026-11-30.db
+      memvault --db ~/work/history.db restore /media/usb/history.db --yes
+    """
+    if postgres_url() is not None:
+        refuse_option(
+            "--db URL",
+            "restore",
+            "a PostgreSQL vault is restored with pg_restore; `restore` puts a file back",
+        )
+    from .restore import check, restore
+
+    plan = check(backup, state().db)
+    if plan.replaces:
+        confirm(
+            f"Replace the vault at {plan.path} ({plural(plan.replaced_items or 0, 'item')}) with "
+            f"the backup {plan.source} ({plural(plan.items, 'item')}, made "
+            f"{plan.backed_up_at or 'at an unknown time'})? Items written since are lost",
+            yes,
+        )
+    r = restore(plan)
+
+    def human() -> None:
+        say(
+            f"restored vault {r['vault_id']} at {r['path']} from {r['source']}",
+            f"  {plural(r['items'], 'item')} in {plural(r['sessions'], 'session')}, key id "
+            f"{r['kid']}; checked: {', '.join(r['checked'])}",
+            "  the replaced vault was overwritten and deleted"
+            if r["replaces"]
+            else "  there was no vault at that path",
+        )
+
+    emit(r, human)

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from . import durations
+from .backupmark import refuse_writes
 from .cli import (
-    MAX_COUNT,
+    COUNT,
     SESSION,
     check_scrub,
     cli,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     "ttl",
     callback=duration,
     metavar="DURATION",
-    help="How long items stay readable: 90s, 15m, 12h, 30d, 2w, seconds, or never (default 30d).",
+    help="How long items stay readable: 90s, 15m, 12h, 30d, 2w or never (default 30d).",
 )
 @common
 def init(ttl: Any) -> None:
@@ -68,6 +69,8 @@ def init(ttl: Any) -> None:
         "kid": meta["kid"],
         "ttl": durations.format_duration(seconds),
         "keyring": vault.keystore.name,
+        # The keyring entry is the only copy of the key: losing it loses the history.
+        "next": "memvault key export FILE",
     }
     emit(
         data,
@@ -75,6 +78,8 @@ def init(ttl: Any) -> None:
             f"created vault {data['path']}",
             f"  key id  {data['kid']} (key stored in {data['keyring']})",
             f"  ttl     {data['ttl']}",
+            "  next    make a recovery kit, kept apart from the vault: "
+            "`memvault key export FILE`; without it, a lost keyring entry loses the history",
         ),
     )
 
@@ -112,7 +117,7 @@ def status() -> None:
         counts += f", {st['expired_unverified']} expired by their timestamps"
         click.echo(f"contents   {counts}")
         click.echo("           (unverified counts: `memvault verify` authenticates every item)")
-        say(f"rotated    {st['rotated_at']}")
+        say(f"rotated    {st['rotated_at'] or 'never'}")
         if st["scrub_pending"]:
             click.echo("scrub      pending (old bytes may remain until the next command)")
         if st.get("rotation"):
@@ -120,6 +125,11 @@ def status() -> None:
                 f"rotation   in progress from {st['rotation']['from_kid']} (rows up to id "
                 f"{st['rotation']['done_through_id']} done); both keys read; if no rotation "
                 "is running, `memvault rotate` finishes it"
+            )
+        if st.get("backup_of"):
+            click.echo(
+                f"backup     of vault {st['backup_of']}, made {st['backed_up_at']}: commands "
+                "that write refuse it; `memvault restore` makes it the live vault"
             )
         if st.get("shred_interrupted"):
             click.echo("shred      interrupted: run `memvault shred` again to finish it")
@@ -172,35 +182,75 @@ def _item_text(item: Any) -> str:
     return json.dumps(item, ensure_ascii=False)
 
 
+def _size(vault: Vault | PgVault, session_id: str) -> int:
+    """How many items SESSION stores (0 if none or unknown), counted in SQL, unverified."""
+    return next((s.items for s in vault.sessions() if s.session_id == session_id), 0)
+
+
 @cli.command()
 @click.argument("session_id", metavar="SESSION", type=SESSION)
 @click.option(
     "--limit",
-    type=click.IntRange(min=1, max=MAX_COUNT),
+    type=COUNT,
     metavar="N",
     help="Only the newest N items.",
 )
+@click.option("--include-expired", is_flag=True, help="Also show items past the TTL.")
 @common
-def show(session_id: str, limit: int | None) -> None:
+def show(session_id: str, limit: int | None, include_expired: bool) -> None:
     """Print the decrypted items of SESSION, oldest first.
+
+    Each item is numbered #position, as in `export` and `search`: its place
+    among every stored item of the session (1 = oldest). Items past the TTL
+    are left out unless --include-expired, which marks them (expired).
 
     \b
     Example:
       memvault show carnet-local --limit 10
     """
+    from .crypto import ItemState
+
     vault = open_any()
-    items, expired, unreadable = vault.items(session_id, limit)
+    first = 1
+    if limit is not None:
+        # Only the newest rows are read: the session's size (counted just before, in
+        # SQL) numbers them as export and search do.
+        size = _size(vault, session_id)
+    opened = list(vault.opened_items(session_id, limit, include_expired=include_expired))
+    if limit is not None:
+        first = max(size - len(opened), 0) + 1
+    shown: list[tuple[int, bool, Any]] = []
+    expired = unreadable = 0
+    for position, one in enumerate(opened, first):
+        if one.state is ItemState.EXPIRED:
+            expired += 1
+            if include_expired:
+                shown.append((position, True, one.item))
+        elif one.state is ItemState.READABLE:
+            shown.append((position, False, one.item))
+        else:
+            unreadable += 1
+    items = [item for _, _, item in shown]
 
     def human() -> None:
-        for i, it in enumerate(items, 1):
-            click.echo(f"[{i}] {escape_text(_item_text(it))}")
-        if expired:  # otherwise a session of expired items would print nothing at all
+        if not opened:
+            say(f"session {session_id} is empty")
+        for position, old, it in shown:
+            click.echo(f"#{position}{' (expired)' if old else ''} {escape_text(_item_text(it))}")
+        if expired and not include_expired:  # else an expired session would print nothing
             click.echo(
                 f"{plural(expired, 'expired item')} hidden by the TTL "
-                f"({durations.format_duration(vault.ttl)}); `memvault purge` deletes them"
+                f"({durations.format_duration(vault.ttl)}); `memvault purge` deletes them, "
+                "--include-expired shows them"
             )
 
-    data = {"session_id": session_id, "items": items, "expired": expired, "unreadable": unreadable}
+    data = {
+        "session_id": session_id,
+        "items": items,
+        "positions": [position for position, _, _ in shown],
+        "expired": expired,
+        "unreadable": unreadable,
+    }
     emit(data, human)
     if unreadable:
         raise VaultError(
@@ -215,23 +265,35 @@ def show(session_id: str, limit: int | None) -> None:
 @click.option(
     "-n",
     "count",
-    type=click.IntRange(min=1, max=MAX_COUNT),
+    type=COUNT,
+    metavar="N",
     default=1,
     show_default=True,
     help="How many of the newest items to remove.",
 )
+@click.option("--yes", is_flag=True, help="Do not ask before emptying the session.")
 @common
-def pop(session_id: str, count: int) -> None:
+def pop(session_id: str, count: int, yes: bool) -> None:
     """Remove the newest N items of SESSION (to undo a turn, pop 2).
+
+    Asks first (unless --yes) when N reaches the session's size, since the
+    whole session would go.
 
     \b
     Example:
       memvault pop carnet-local -n 2
     """
     vault = open_any()
+    if not yes:
+        size = _size(vault, session_id)
+        if 0 < size <= count:  # an unknown session fails in pop, with its own message
+            confirm(
+                f"Remove all {plural(size, 'item')} of session {session_id!r}, emptying it?",
+                yes,
+            )
     result = vault.pop(session_id, count)
     popped = result.items
-    data: dict[str, Any] = {"session_id": session_id, "popped": popped}
+    data: dict[str, Any] = {"session_id": session_id, "popped": popped, "requested": count}
     note = None
     if getattr(vault, "backend", None) == "postgresql":
         from .pg import PG_SCRUB_NOTE
@@ -241,6 +303,7 @@ def pop(session_id: str, count: int) -> None:
         data,
         lambda: click.echo(
             f"removed {plural(len(popped), 'item')} from {escape_line(session_id)}"
+            + (f" (asked for {count}: it had no more)" if len(popped) < count else "")
             + (f"\nscrub: {note}" if note else "")
         ),
     )
@@ -267,6 +330,7 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
       memvault clear carnet-local --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault clear`")  # before anything is asked
     vault.sealer()  # fail on the key before asking anything
     confirm(f"Delete every item of session {session_id!r}?", yes)
     result = vault.clear(session_id, include_unreadable=include_unreadable)
@@ -297,7 +361,7 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
 @click.argument("value", required=False, callback=duration, metavar="[DURATION]")
 @common
 def ttl(value: Any) -> None:
-    """Print the vault's TTL, or set it (90s, 15m, 12h, 30d, 2w, seconds, never).
+    """Print the vault's TTL, or set it (90s, 15m, 12h, 30d, 2w or never).
 
     Items older than the TTL are skipped on read and removed by `purge`.
 

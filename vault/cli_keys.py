@@ -1,4 +1,4 @@
-"""`memvault key`: the recovery kit (export and import). Logic in vault.kit,
+"""`memvault key`: the recovery kit (export and import). Logic in vault.kitops,
 imported inside each command.
 """
 
@@ -246,6 +246,9 @@ def one_passphrase(data: bytes, where: str) -> str:
 def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_stdin: bool) -> None:
     """Write the master key, wrapped under a passphrase, to FILE (mode 0600).
 
+    The kit also holds every older key version the vault keeps for its backups
+    (and a rotation's pending key), so one kit opens the vault and its backups.
+
     scrypt derives a key from the passphrase; AES-256-GCM seals the master key
     and authenticates the kit's header (vault id, key id, parameters). The
     passphrase is asked twice on a terminal; scripts give --passphrase-file or
@@ -261,7 +264,8 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
       memvault key export --passphrase-file pass.txt kit.json
       printf %s "$PASS" | memvault key export --passphrase-stdin kit.json
     """
-    from .kit import SHORT_PASSPHRASE, check_passphrase, export_kit
+    from .kit import SHORT_PASSPHRASE, check_passphrase
+    from .kitops import export_kit
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
     vault = open_any()
@@ -292,9 +296,10 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
 def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_stdin: bool) -> None:
     """Restore the master key from a recovery kit into the OS keyring.
 
-    The kit must come from this vault and its current key: a kit from another
-    vault, or from before a rotation, is refused naming both ids. A keyring key
-    is stored as its own entry (memvault/<vault_id>/<kid>): no other entry is
+    The kit must come from this vault and hold the key the file uses: a kit from
+    another vault, or from before a rotation, is refused naming the ids. Of the
+    kit's keys, each one this file needs (its own key, and the versions its
+    journal keeps) is stored, each as its own entry (memvault/<vault_id>/<kid>): no other entry is
     touched, so a live vault and a restored backup copy of it both keep working.
     An entry of that key that holds something else (damaged) is replaced after a
     question (or --yes). The passphrase is asked on a terminal; scripts give
@@ -316,7 +321,7 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
       memvault --db ~/history.db key import ~/memvault-kit.json
       printf %s "$PASS" | memvault key import --passphrase-stdin kit.json
     """
-    from .kit import import_kit
+    from .kitops import import_kit
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
     vault = open_any()
@@ -351,8 +356,8 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
         if r["restored"]:
             extra = f" (replaced key {r['replaced_kid']})" if r["replaced_kid"] else ""
             say(
-                f"restored key {r['kid']} of vault {r['vault_id']} into {r['keyring']}{extra}; "
-                "the vault opens again"
+                f"restored key {', '.join(r['stored_kids'])} of vault {r['vault_id']} into "
+                f"{r['keyring']}{extra}; the vault opens again"
             )
         else:
             say(
@@ -361,37 +366,3 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
             )
 
     emit(r, human)
-
-
-@key_group.command("list")
-@common
-def key_list() -> None:
-    """List the key versions this vault's file knows. Never shows a key.
-
-    State is current (the rows use it), pending (a rotation staged it),
-    retired (a rotation replaced it; its entry is deleted next) or destroyed.
-    "in keyring" says whether its entry memvault/<vault_id>/<kid> exists: a
-    destroyed version still present there is another copy's (a backup restored
-    with an older kit); `memvault shred` destroys those too.
-
-    \b
-    Example:
-      memvault key list
-    """
-    vault = open_any()
-    versions = vault.key_versions()
-    doc = {
-        "vault_id": vault.vault_id,
-        "keys": [
-            {"kid": v.kid, "state": v.state, "in_keyring": v.in_keyring, "created_at": v.created_at}
-            for v in versions
-        ],
-    }
-
-    def human() -> None:
-        click.echo(f"{'key id':<22}  {'state':<9}  {'in keyring':<10}  created")
-        for v in versions:
-            present = "yes" if v.in_keyring else "no"
-            say(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")
-
-    emit(doc, human)

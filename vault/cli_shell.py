@@ -10,16 +10,13 @@ Agents SDK, never creates a file, and answers nothing at all on any error.
 
 from __future__ import annotations
 
-import os
-import sqlite3
-import urllib.parse
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from . import files, paths
-from .cli import cli, common, refuse_option, state
+from .cli import cli, common, hide_options, refuse_option, state
+from .db import keep_temp_in_memory
 from .schema import SESSIONS_TABLE
 from .textsafe import escape_line
 
@@ -71,6 +68,9 @@ def completion(shell: str) -> None:
     click.echo(comp_cls(cli, {}, prog_name, complete_var).source().encode(), nl=False)
 
 
+hide_options(completion, "db", "as_json")  # refused above: its --help does not offer them
+
+
 def complete_session_ids(db: str | None, incomplete: str) -> list[CompletionItem]:
     """The session ids starting with `incomplete`; [] on any error, silently."""
     from click.shell_completion import CompletionItem
@@ -85,22 +85,15 @@ def complete_session_ids(db: str | None, incomplete: str) -> list[CompletionItem
 def session_ids(db: str | None, prefix: str = "") -> list[str]:
     """Session ids of the vault at `db` (resolved as every command does), read-only.
 
-    Never creates a file: a missing vault is [] (SQLite's mode=ro cannot create
-    the database). SQLite does create a WAL file's `-wal` and `-shm` for a
-    read-only reader when they are missing (a vault closed cleanly has none), so
-    then the file is opened `immutable`: with no `-wal`, every committed row is in
-    the file itself. A writer starting between the check and the read may make
-    the read fail (then []) or, in the worst case, leave the two files a reader
-    creates, with the database's own mode; completion never writes a row.
+    Never creates a file: a missing vault is [] (`files.peek` says how it reads
+    without writing); a read that fails is [] too; completion never writes a row.
     """
     path = paths.resolve_db_path(db)
     if not path.is_file() or files.odd_entries(paths.sidecars(path)):
         return []
-    wal, shm = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))
-    live = os.path.exists(wal) and os.path.exists(shm)
-    uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if live else "?mode=ro&immutable=1")
-    conn = sqlite3.connect(uri, uri=True, timeout=COMPLETION_TIMEOUT, isolation_level=None)
+    conn = files.peek(path, COMPLETION_TIMEOUT)
     try:
+        keep_temp_in_memory(conn)
         rows = conn.execute(
             f"SELECT session_id FROM {SESSIONS_TABLE} WHERE substr(session_id, 1, ?) = ? "
             "ORDER BY session_id LIMIT ?",

@@ -59,11 +59,17 @@ def lock_timeout() -> float:
 # --------------------------------------------------------------------------
 # Connections and error translation
 # --------------------------------------------------------------------------
+def keep_temp_in_memory(conn: sqlite3.Connection) -> None:
+    """No temporary file (a sort, an index build) ever holds vault bytes or plaintext:
+    for every connection memvault opens, to a vault, an import source or memory."""
+    conn.execute("PRAGMA temp_store = MEMORY")
+
+
 def configure(conn: sqlite3.Connection, timeout: float) -> None:
     """Pragmas every vault connection uses (the SDK session's connections too)."""
     conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
     conn.execute("PRAGMA secure_delete = ON")  # deleted cells and pages are zeroed
-    conn.execute("PRAGMA temp_store = MEMORY")  # no temporary file ever holds vault bytes
+    keep_temp_in_memory(conn)
     conn.execute("PRAGMA synchronous = FULL")
     if sys.platform == "darwin":
         conn.execute("PRAGMA fullfsync = ON")

@@ -28,6 +28,8 @@ from .errors import BadInput, OperationFailed, UnknownSession
 from .textsafe import escape_line, escape_text
 
 FORMATS = ("jsonl", "md")
+_MD_TITLE = "# memvault export\n"
+TEMP_TAG = "export"  # `--force` writes `.memvault-export-*` beside the target, then renames it
 _CHUNK = 1 << 16  # bytes gathered before each write
 _ARGS_SHOWN = 120  # characters of a tool call's arguments in the Markdown export
 _OUTPUT_SHOWN = 300  # characters of a tool's output in the Markdown export
@@ -229,8 +231,12 @@ def run_export(
             stream.write(chunk)
         stream.flush()
         return result
+    # A killed `--force` run left its plaintext beside its target: this run cleans up.
+    remove_stale_exports(plan.path.absolute().parent)
+    if isinstance(vault.path, Path):
+        remove_stale_exports(vault.path.absolute().parent)
     try:
-        files.write_private(plan.path, chunks, replace=plan.force)
+        files.write_private(plan.path, chunks, replace=plan.force, tag=TEMP_TAG)
     except FileExistsError:  # appeared since the plan was checked
         raise BadInput(
             f"{plan.path} appeared while exporting; nothing was written; give a new file name"
@@ -240,6 +246,19 @@ def run_export(
             f"cannot write {plan.path} ({exc.strerror}); no export was written"
         ) from None
     return result
+
+
+def _looks_like_export(head: bytes) -> bool:
+    """An export's first bytes, or none (a writer killed before its first write)."""
+    return head == b"" or head.startswith((b'{"session_id": ', _MD_TITLE.encode()))
+
+
+def remove_stale_exports(folder: Path) -> list[dict[str, Any]]:
+    """Destroy the plaintext that killed `export --force` runs left in `folder`.
+
+    Only files memvault made there and no live export is writing (files.stale_temps).
+    """
+    return files.remove_stale_temps(folder, TEMP_TAG, _looks_like_export)
 
 
 def _chunks(pieces: Iterable[str]) -> Iterator[bytes]:
@@ -261,7 +280,7 @@ def _render(
 ) -> Iterator[str]:
     md = plan.format == "md"
     if md:
-        yield "# memvault export\n\nDecrypted history, in plaintext: keep this file private.\n"
+        yield _MD_TITLE + "\nDecrypted history, in plaintext: keep this file private.\n"
     for sid in plan.sessions:
         result.sessions.append(sid)
         if md:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import secrets
+import sqlite3
 import stat
-import tempfile
-from collections.abc import Callable, Iterable
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +174,120 @@ def _write_all(fd: int, data: bytes | Iterable[bytes]) -> None:
             view = view[os.write(fd, view) :]
 
 
+# A file memvault builds beside its target and renames into place is named
+# `.memvault-<tag>-<token>` and flock'ed by its writer until then: a kill leaves a name
+# a later command recognises, and the lock tells a dead writer's leftover from a live one.
+TEMP_PREFIX = ".memvault-"
+_TOKEN = re.compile(r"[A-Za-z0-9_.:-]{1,120}")
+
+
+def temp_name(tag: str, token: str | None = None) -> str:
+    """The name of a temporary file of kind `tag` (a random token unless one is given)."""
+    return f"{TEMP_PREFIX}{tag}-{token or secrets.token_hex(8)}"
+
+
+def _try_lock(fd: int) -> bool:
+    """Take an exclusive flock without waiting; True where the platform has no flock."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory lock; the name, owner and header still count
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def create_temp(folder: Path, tag: str, token: str | None = None) -> tuple[int, Path]:
+    """A new 0600 `.memvault-<tag>-<token>` in `folder`, locked while its descriptor is open.
+
+    Close the descriptor only after the file is renamed into place or removed.
+    """
+    tmp = folder / temp_name(tag, token)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _nofollow() | getattr(os, "O_BINARY", 0)
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        _chmod_private(fd, tmp)
+        _try_lock(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd, tmp
+
+
+def stale_temps(
+    folder: Path, tag: str, looks_ours: Callable[[bytes], bool]
+) -> Iterator[tuple[Path, str, os.stat_result]]:
+    """The leftovers of killed writers of kind `tag` in `folder`: (path, token, stat).
+
+    Only what memvault made and nobody is writing: the name pattern, a regular file
+    (never a link, FIFO or device; nothing is followed), owned by this user, whose
+    first bytes `looks_ours` accepts, and whose lock nobody holds. A file with a
+    second name is yielded too (its stat says so): the caller decides.
+    """
+    prefix = f"{TEMP_PREFIX}{tag}-"
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        token = name[len(prefix) :]
+        if not name.startswith(prefix) or not _TOKEN.fullmatch(token):
+            continue
+        path = folder / name
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != getattr(os, "getuid", lambda: -1)():
+                continue
+            fd = os.open(path, os.O_RDONLY | NO_FOLLOW | getattr(os, "O_BINARY", 0))
+        except OSError:
+            continue
+        try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not _try_lock(fd):
+                continue
+            if not looks_ours(os.read(fd, 64)):
+                continue
+            yield path, token, now
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+
+
+def remove_stale_temps(
+    folder: Path,
+    tag: str,
+    looks_ours: Callable[[bytes], bool],
+    names: Callable[[Path], list[Path]] = lambda p: [p],
+) -> list[dict[str, Any]]:
+    """Overwrite and unlink what killed writers of kind `tag` left in `folder`: for each,
+    the `names` it stands for (`paths.sidecars` adds the files SQLite kept beside it).
+
+    Returns what was destroyed, as `destroy` reports it.
+    """
+    removed = []
+    for path, _token, st in stale_temps(folder, tag, looks_ours):
+        if st.st_nlink > 1:
+            continue  # a file with another name is not only ours: left alone
+        for name in names(path):
+            with contextlib.suppress(OSError):
+                entry = destroy(name)
+                if entry:
+                    removed.append(entry)
+    if removed:
+        fsync_dir(folder)
+    return removed
+
+
 def write_private(
-    path: str | os.PathLike[str], data: bytes | Iterable[bytes], replace: bool = False
+    path: str | os.PathLike[str],
+    data: bytes | Iterable[bytes],
+    replace: bool = False,
+    tag: str = "write",
 ) -> Path:
     """Create `path` 0600 holding `data`, fsynced, folder fsynced.
 
@@ -181,27 +296,29 @@ def write_private(
     old one is left as it was.
 
     Without `replace`, a new file only (O_CREAT | O_EXCL | O_NOFOLLOW): an existing
-    name, link or not, raises FileExistsError. With `replace`, a new 0600 file in the
-    same folder is renamed over the old name, so the old file's mode, owner or link
-    target never carry over. Raises OSError; callers phrase it.
+    name, link or not, raises FileExistsError. With `replace`, a new 0600 file
+    `.memvault-<tag>-...` (see `create_temp`) in the same folder is renamed over the
+    old name, so the old file's mode, owner or link target never carry over; a kill
+    leaves that file for `remove_stale_temps`. Raises OSError; callers phrase it.
     """
     target = Path(path)
     folder = target.absolute().parent
     if replace:
-        fd, tmp = tempfile.mkstemp(prefix=".memvault-", dir=folder)
+        fd, tmp = create_temp(folder, tag)
         try:
-            _chmod_private(fd, tmp)
             _write_all(fd, data)
             os.fsync(fd)
-            os.close(fd)
-            fd = -1
+            if os.name == "nt":  # Windows renames no open file (and has no flock to keep)
+                os.close(fd)
+                fd = -1
             os.replace(tmp, target)
         except BaseException:
-            if fd >= 0:
-                os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        finally:
+            if fd >= 0:
+                os.close(fd)  # after the rename: the lock covers the file until it is named
     else:
         if not _nofollow() and os.path.lexists(target):
             # O_CREAT | O_EXCL alone already refuses any existing name, a link included
@@ -283,3 +400,18 @@ def destroy(
     size = overwrite(path, header, progress) if stat.S_ISREG(mode) else None
     os.unlink(path)
     return {"name": path.name, "size": size or 0, "kind": kind(mode)}
+
+
+def peek(path: Path, timeout: float) -> sqlite3.Connection:
+    """A read-only SQLite connection to a database file that never creates one.
+
+    SQLite's mode=ro cannot create the database, but does create a WAL file's `-wal`
+    and `-shm` for a reader when they are missing (a file closed cleanly has none);
+    then the file is opened `immutable`: with no `-wal`, every committed row is in
+    the file itself. A writer starting between the check and the read may make the
+    read fail or, at worst, leave the two files a reader creates.
+    """
+    wal, shm = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))
+    live = os.path.exists(wal) and os.path.exists(shm)
+    uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if live else "?mode=ro&immutable=1")
+    return sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)

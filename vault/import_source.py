@@ -9,12 +9,14 @@ shredding.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from .db import error_name, is_busy
+from .db import error_name, is_busy, keep_temp_in_memory
 from .errors import OperationFailed, VaultBusy
 from .schema import MESSAGES_TABLE
 
@@ -54,6 +56,39 @@ def is_text(value: str) -> bool:
     return True
 
 
+def decode_row(row: str, data: Any) -> Any:
+    """The item a source row holds, or OperationFailed naming `row` (its place in the
+    source) when no SQLiteSession item can be made of it."""
+    try:
+        item = json.loads(data)
+        # Python reads NaN, Infinity and 1e999 (as inf); RFC 8259 JSON has none of them,
+        # so an export could not write the item as standard JSON: refused here.
+        text = json.dumps(item, ensure_ascii=False, allow_nan=False)
+    except (json.JSONDecodeError, TypeError):
+        raise OperationFailed(
+            f"{row} is not JSON, so it is not a SQLiteSession item; "
+            "repair or delete that row; nothing was imported"
+        ) from None
+    except RecursionError:
+        raise OperationFailed(
+            f"{row} is nested deeper than the JSON parser can take, so no session could "
+            "read it back; repair or delete that row; nothing was imported"
+        ) from None
+    except ValueError:
+        raise OperationFailed(
+            f"{row} holds NaN or an infinite number, which standard JSON (RFC 8259) "
+            "cannot hold; repair or delete that row; nothing was imported"
+        ) from None
+    # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but not text that can
+    # be sealed (UTF-8) or given back to the SDK.
+    if not is_text(text):
+        raise OperationFailed(
+            f"{row} holds a lone surrogate, which is not valid Unicode "
+            "text; repair or delete that row; nothing was imported"
+        )
+    return item
+
+
 def quote_name(name: str) -> str:
     """Quote an SQL identifier (custom table names come from the source file)."""
     return '"' + name.replace('"', '""') + '"'
@@ -83,6 +118,16 @@ class Plan:
         return sum(s.items for s in self.sessions)
 
 
+def digest_update(h: Any, item: Any) -> None:
+    """One item into a digest that the source's and the vault's copies are compared by."""
+    h.update(
+        json.dumps(
+            item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
+        ).encode("utf-8")
+    )
+    h.update(b"\n")
+
+
 def open_source(src: Path, shred_source: bool) -> sqlite3.Connection:
     """The source, read-only; with shred_source, writable and locked exclusively."""
     uri = "file:" + urllib.parse.quote(str(src)) + ("?mode=rw" if shred_source else "?mode=ro")
@@ -94,6 +139,7 @@ def open_source(src: Path, shred_source: bool) -> sqlite3.Connection:
         raise OperationFailed(f"cannot open {src} ({exc}); nothing was imported") from None
     conn.text_factory = _strict_text
     try:
+        keep_temp_in_memory(conn)
         if shred_source:
             conn.execute("PRAGMA secure_delete = ON")
             # Held until close, and refused while any other connection has the file

@@ -21,11 +21,8 @@ Guarantees:
   import: the TTL of imported items counts from the import.
 * `shred_source=True` takes an exclusive lock on the source first (refusing,
   exit 5, while another process has it open), so nothing can be added to it
-  between the read and the destruction; after every session is in the vault
-  it deletes the rows with secure_delete, checkpoints, overwrites the WAL, the
-  database, -shm and -journal, fsyncs and unlinks them, then fsyncs the folder.
-  It refuses, before importing anything, a source that holds data the import
-  does not carry over (other tables, or other sessions when one is chosen).
+  between the read and the destruction, which `vault.source_shred` does, and a
+  rerun of a killed run finishes.
 
 This module never imports `agents`.
 """
@@ -34,13 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import crypto, files, paths, testhooks
+from . import backupmark, crypto, files, paths, source_shred, testhooks
 from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession
 from .files import Progress
@@ -49,6 +46,8 @@ from .import_source import (
     NotUTF8,
     Plan,
     SourceSession,
+    decode_row,
+    digest_update,
     find_pair,
     is_text,
     list_tables,
@@ -62,15 +61,6 @@ if TYPE_CHECKING:
     from .pg import PgVault
 
 BATCH = 500
-
-
-def _digest_update(h: Any, item: Any) -> None:
-    h.update(
-        json.dumps(
-            item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
-        ).encode("utf-8")
-    )
-    h.update(b"\n")
 
 
 class Importer:
@@ -90,11 +80,17 @@ class Importer:
         messages_table: str | None = None,
         shred_source: bool = False,
     ) -> None:
+        backupmark.refuse_writes(vault, "`memvault import`")
         self.vault = vault
         self.source = Path(os.path.realpath(Path(source).expanduser()))  # SQLite follows links too
         self.session_id = session_id
         self.shred_source = shred_source
         self._conn: sqlite3.Connection | None = None
+        self.resume = source_shred.Interrupted.of(vault, self.source, shred_source)
+        self.already: list[SourceSession] = []
+        if self.resume.done and source_shred.looks_destroyed(self.source):
+            self.plan = Plan(self.source, "", "", [], [], True)
+            return  # only the interrupted shred is left to finish
         self._check_file()
         self._conn = open_source(self.source, self.shred_source)
         try:
@@ -194,7 +190,7 @@ class Importer:
         chosen = sorted(sessions.values(), key=lambda s: s.session_id)
         if self.session_id is not None:
             chosen = [s for s in chosen if s.session_id == self.session_id]
-            if not chosen:
+            if not chosen and self.resume.recorded(self.session_id) is None:
                 have = ", ".join(sorted(sessions)) or "none"
                 raise UnknownSession(
                     f"no session {self.session_id!r} in {src} (its sessions: {have}); "
@@ -203,9 +199,15 @@ class Importer:
         other_tables = [t for t in tables if t not in (s_tab, m_tab, *INTERNAL_TABLES)]
         plan = Plan(src, s_tab, m_tab, chosen, other_tables, self.shred_source)
         self._check_contents(plan)
+        self.already = [
+            s for s in chosen if self.resume.already_in(self.vault, s, self._items(plan, s))
+        ]
+        plan.sessions = [s for s in chosen if s not in self.already]
         self._check_vault(plan)
         if self.shred_source:
-            self._check_shreddable(plan, sessions)
+            source_shred.check_shreddable(
+                plan, set(sessions) - {s.session_id for s in self.already}, self.session_id
+            )
         return plan
 
     def _check_contents(self, plan: Plan) -> None:
@@ -232,24 +234,13 @@ class Importer:
                         "plaintext SQLiteSession files; nothing was imported"
                     )
 
+    def _items(self, plan: Plan, s: SourceSession) -> Iterator[Any]:
+        for row_id, data, _created in self._source_rows(s, plan):
+            yield self._decode(plan, s.session_id, row_id, data)
+
     def _decode(self, plan: Plan, session_id: str, row_id: int, data: Any) -> Any:
-        try:
-            item = json.loads(data)
-        except (json.JSONDecodeError, TypeError):
-            raise OperationFailed(
-                f"row {row_id} of session {session_id!r} in {plan.source} "
-                f"({plan.messages_table}) is not JSON, so it is not a SQLiteSession item; "
-                "repair or delete that row; nothing was imported"
-            ) from None
-        # JSON may escape a lone surrogate ("\\ud800"): valid JSON, but not text that can
-        # be sealed (UTF-8) or given back to the SDK.
-        if not is_text(json.dumps(item, ensure_ascii=False)):
-            raise OperationFailed(
-                f"row {row_id} of session {session_id!r} in {plan.source} "
-                f"({plan.messages_table}) holds a lone surrogate, which is not valid Unicode "
-                "text; repair or delete that row; nothing was imported"
-            )
-        return item
+        label = f"row {row_id} of session {session_id!r} in {plan.source} ({plan.messages_table})"
+        return decode_row(label, data)
 
     def _check_vault(self, plan: Plan) -> None:
         present = set(self.vault.session_ids())
@@ -262,31 +253,6 @@ class Importer:
                 "or `memvault clear` the vault's copy first; nothing was imported"
             )
 
-    def _check_shreddable(self, plan: Plan, all_sessions: dict[str, SourceSession]) -> None:
-        src = plan.source
-        if plan.other_tables:
-            raise OperationFailed(
-                f"{src} also holds table(s) {', '.join(plan.other_tables)} that the import does "
-                "not carry over; --shred-source would destroy them; drop --shred-source; "
-                "nothing was imported"
-            )
-        left = sorted(set(all_sessions) - {s.session_id for s in plan.sessions})
-        if left:
-            raise OperationFailed(
-                f"{src} holds {len(left)} other session(s) besides {self.session_id!r}; "
-                "--shred-source destroys the whole file; import every session (no --session) "
-                "or drop --shred-source; nothing was imported"
-            )
-        present = [p for p in paths.sidecars(src) if p.exists()]
-        for p in present:
-            try:
-                os.close(os.open(p, os.O_RDWR | files.NO_FOLLOW))
-            except OSError as exc:
-                raise OperationFailed(
-                    f"cannot overwrite {p} ({exc.strerror}); --shred-source needs write "
-                    "access to the source and its side files; nothing was imported"
-                ) from None
-
     # -- the import -----------------------------------------------------
     def run(self, progress: Progress | None = None) -> dict[str, Any]:
         """Import every planned session (one transaction each), then shred if asked."""
@@ -298,6 +264,7 @@ class Importer:
             n = self._import_session(s, sealer, part, len(plan.sessions), progress)
             imported.append({"session_id": s.session_id, "items": n})
             sealer = vault.sealer()
+            testhooks.failpoint("import-session-committed")
         report: dict[str, Any] = {
             "source": str(plan.source),
             "tables": {"sessions": plan.sessions_table, "messages": plan.messages_table},
@@ -305,12 +272,17 @@ class Importer:
             "items": sum(i["items"] for i in imported),
             "kid": sealer.kid,
             "source_shredded": None,
+            # Imported by a killed run of this same command: not imported twice.
+            "already_imported": [
+                {"session_id": s.session_id, "items": s.items} for s in self.already
+            ],
         }
         if self.shred_source:
-            report["source_shredded"] = self._shred_source()
+            report["source_shredded"] = source_shred.shred(self._conn, plan, self.close)
             self._record(
-                "source-shred",
+                source_shred.SOURCE_EVENT,
                 vault.sealer().kid,
+                source=self.resume.mark,
                 files=len(report["source_shredded"]["files"]),
                 bytes=sum(f["size"] for f in report["source_shredded"]["files"]),
                 rows=report["source_shredded"]["rows"],
@@ -322,9 +294,10 @@ class Importer:
         """An audit event in the vault (a PostgreSQL vault's importer writes its own)."""
         self.vault.record(event, kid, **details)
 
-    def _source_rows(self, s: SourceSession) -> sqlite3.Cursor:
+    def _source_rows(self, s: SourceSession, plan: Plan | None = None) -> sqlite3.Cursor:
+        table = (plan or self.plan).messages_table
         return self.conn.execute(
-            f"SELECT id, message_data, created_at FROM {quote_name(self.plan.messages_table)} "
+            f"SELECT id, message_data, created_at FROM {quote_name(table)} "
             "WHERE session_id = ? ORDER BY id",
             (s.session_id,),
         )
@@ -367,7 +340,7 @@ class Importer:
                 sealed = []
                 for row_id, data, created in batch:
                     item = self._decode(plan, sid, row_id, data)
-                    _digest_update(source_digest, item)
+                    digest_update(source_digest, item)
                     sealed.append((sid, sealer.seal(sid, item), created))
                 conn.executemany(
                     f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
@@ -388,7 +361,7 @@ class Importer:
                 opened = sealer.open(sid, data, None)
                 if opened.state is not crypto.ItemState.READABLE:
                     break
-                _digest_update(vault_digest, opened.item)
+                digest_update(vault_digest, opened.item)
                 stored += 1
             if (
                 stored != count
@@ -400,50 +373,13 @@ class Importer:
                     f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
                     f"back and not imported ({part - 1} session(s) before it were)"
                 )
-            audit(conn, "import", sealer.kid, items=count, part=part, parts=parts)
+            audit(
+                conn,
+                "import",
+                sealer.kid,
+                items=count,
+                part=part,
+                parts=parts,
+                **self.resume.marks(sid),
+            )
         return count
-
-    def _shred_source(self) -> dict[str, Any]:
-        """Delete the rows (secure_delete), then overwrite, fsync and unlink every file."""
-        plan = self.plan
-        src = plan.source
-        conn = self.conn
-        try:
-            testhooks.failpoint("import-before-source-shred")
-            rows = conn.execute(f"DELETE FROM {quote_name(plan.messages_table)}").rowcount
-            conn.execute(f"DELETE FROM {quote_name(plan.sessions_table)}")
-            conn.execute("COMMIT")
-            # Copy the zeroed pages into the database without truncating the WAL: its
-            # older frames (plaintext) are overwritten below, not merely released.
-            conn.execute("PRAGMA wal_checkpoint(FULL)")
-        except sqlite3.Error as exc:
-            raise OperationFailed(
-                f"every session is in the vault, but deleting the rows of {src} failed ({exc}); "
-                "the source is intact; remove it yourself"
-            ) from None
-        sizes: dict[Path, int] = {}
-        try:
-            # While this connection still holds the exclusive lock: WAL first (it may hold
-            # plaintext frames), then -shm and -journal, then the database. Regular files
-            # only: a link planted since the checks is never followed.
-            for p in reversed(paths.sidecars(src)):
-                size = files.overwrite(p)
-                if size is not None:
-                    sizes[p] = size
-            self.close()
-            done = []
-            for p in paths.sidecars(src):
-                entry = files.destroy(p)  # again: closing may have written to it
-                if entry:
-                    entry["size"] = max(entry["size"], sizes.get(p, 0))
-                    done.append(entry)
-                elif p in sizes:  # overwritten above, then removed by SQLite on close
-                    done.append({"name": p.name, "size": sizes[p], "kind": "file"})
-            files.fsync_dir(src.parent)
-        except OSError as exc:
-            raise OperationFailed(
-                f"every session is in the vault and the source's rows are deleted, but "
-                f"overwriting {exc.filename or src} failed ({exc.strerror}); remove the "
-                "source files yourself"
-            ) from None
-        return {"path": str(src), "rows": rows, "files": done}

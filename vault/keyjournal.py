@@ -24,7 +24,9 @@ from .keys import KeyStore
 from .schema import utcnow
 
 PENDING, CURRENT, RETIRED, DESTROYED = "pending", "current", "retired", "destroyed"
-STATES = (PENDING, CURRENT, RETIRED, DESTROYED)
+# Retired, but its entry kept (decrypt-only) while a recorded backup needs it (vault.retention).
+RETAINED = "retained"
+STATES = (PENDING, CURRENT, RETIRED, RETAINED, DESTROYED)
 # meta `legacy_entries`: 0.1.0-style entry names an upgrade still has to delete (JSON list).
 LEGACY_MARK = "legacy_entries"
 # The meta row naming the key an unfinished online rotation moves rows from (a

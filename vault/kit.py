@@ -3,12 +3,16 @@
     memvault key export kit.json   # on the old machine (passphrase asked twice)
     memvault key import kit.json   # on the new one, after copying the vault file
 
-Format (version 1)::
+Format (version 2; version 1, one key and no `kids`, is still read)::
 
-    {"format": "memvault-recovery-kit", "version": 1,
-     "vault_id": "mv-…", "kid": "mv1:…", "created_at": "…Z",
+    {"format": "memvault-recovery-kit", "version": 2,
+     "vault_id": "mv-…", "kid": "mv1:…", "kids": ["mv1:…", …], "created_at": "…Z",
      "kdf": {"name": "scrypt", "n": 131072, "r": 8, "p": 1, "salt": "<b64>"},
      "cipher": "AES-256-GCM", "nonce": "<b64>", "ciphertext": "<b64>"}
+
+`kid` is the vault's current key; `kids` every key version the kit holds (the
+current one, and those the vault still needs: retained for backups, pending).
+Version 1 seals the key itself; version 2 seals `{"keys": {kid: key, …}}`.
 
 The wrapping key is scrypt(passphrase, random 16-byte salt); the master key is
 sealed with AES-256-GCM under a random 96-bit nonce, and every header field
@@ -17,10 +21,10 @@ associated data, so editing any of them makes the kit fail to open, exactly
 like a wrong passphrase. The file is created 0600 and never holds the key in
 clear; nothing in this module prints or logs the key.
 
-Import checks the kit's vault id and key id against the vault before it asks
-for the passphrase, and the decrypted key's id again after: a kit from another
-vault, or from before a rotation, is refused naming both ids. Revocation and
-rotation therefore make older kits useless, which is the point.
+Import (vault.kitops) checks the kit's vault id and key ids against the vault
+before it asks for the passphrase, and each decrypted key's id again after: a
+kit from another vault, or without the key the file uses, is refused naming the
+ids.
 """
 
 from __future__ import annotations
@@ -32,34 +36,22 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from . import crypto, files
-from .errors import (
-    BadInput,
-    KeyMismatch,
-    KeyProblem,
-    KeyRevoked,
-    OperationFailed,
-    VaultBusy,
-    VaultError,
-)
-from .keyjournal import ROTATING_FROM, entry_name
+from .errors import BadInput, OperationFailed
 from .schema import utcnow
-from .store import Vault
-
-if TYPE_CHECKING:
-    from .pg import PgVault
 
 KIT_FORMAT = "memvault-recovery-kit"
-KIT_VERSION = 1
+KIT_VERSION = 2
+KIT_VERSIONS = (1, 2)  # what `load` reads
+MAX_KIDS = 64  # far more versions than a vault keeps
 CIPHER = "AES-256-GCM"
 # scrypt cost: 2**17 * 8 * 128 bytes = 128 MiB of memory, about half a second.
 SCRYPT_N = 2**17
@@ -122,13 +114,22 @@ class Kit:
     salt: bytes
     nonce: bytes
     ciphertext: bytes
+    version: int = KIT_VERSION
+    kids: tuple[str, ...] = ()  # version 2: every key version sealed in it
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """The key ids the kit holds (a version 1 kit: its one key)."""
+        return self.kids if self.version >= 2 else (self.kid,)
 
     def header(self) -> dict[str, Any]:
+        many = {"kids": list(self.kids)} if self.version >= 2 else {}
         return {
             "format": KIT_FORMAT,
-            "version": KIT_VERSION,
+            "version": self.version,
             "vault_id": self.vault_id,
             "kid": self.kid,
+            **many,
             "created_at": self.created_at,
             "kdf": {
                 "name": "scrypt",
@@ -148,8 +149,9 @@ class Kit:
         doc = {**self.header(), "nonce": _b64(self.nonce), "ciphertext": _b64(self.ciphertext)}
         return json.dumps(doc, indent=2) + "\n"
 
-    def open(self, passphrase: str, path: Path) -> str:
-        """The master key, or OperationFailed for a wrong passphrase or an altered kit."""
+    def open(self, passphrase: str, path: Path) -> dict[str, str]:
+        """kid -> key for every key the kit holds, or OperationFailed for a wrong
+        passphrase or an altered kit."""
         wrapping = _derive(passphrase, self.salt, self.n, self.r, self.p)
         try:
             raw = AESGCM(wrapping).decrypt(self.nonce, self.ciphertext, self.associated_data())
@@ -158,43 +160,42 @@ class Kit:
                 f"the recovery kit {path} did not open: wrong passphrase, or the kit was "
                 "altered; nothing was changed"
             ) from None
-        key = raw.decode("ascii", "replace")
-        if not crypto.is_valid_key(key) or crypto.key_id(key) != self.kid:
-            # Authenticated, yet inconsistent: only a kit forged with the passphrase.
-            raise _not_a_kit(path, "its key does not match its own key id")
-        return key
+        if self.version == 1:
+            keys: Any = {self.kid: raw.decode("ascii", "replace")}
+        else:
+            try:
+                keys = json.loads(raw.decode("ascii")).get("keys")
+            except (UnicodeDecodeError, ValueError, AttributeError):
+                keys = None
+        if not isinstance(keys, dict) or sorted(keys) != sorted(self.held):
+            raise _not_a_kit(path, "its sealed keys do not match its key ids")
+        for kid, key in keys.items():
+            if (
+                not isinstance(key, str)
+                or not crypto.is_valid_key(key)
+                or crypto.key_id(key) != kid
+            ):
+                # Authenticated, yet inconsistent: only a kit forged with the passphrase.
+                raise _not_a_kit(path, "its key does not match its own key id")
+        return dict(keys)
 
 
-def seal(master_key: str, vault_id: str, passphrase: str) -> Kit:
+def seal(
+    master_key: str, vault_id: str, passphrase: str, others: dict[str, str] | None = None
+) -> Kit:
+    """A version 2 kit of `master_key` (the current key) and the `others` (kid -> key)."""
     check_passphrase(passphrase)
+    kid = crypto.key_id(master_key)
+    keys = {**(others or {}), kid: master_key}
     salt = secrets.token_bytes(SALT_BYTES)
     nonce = secrets.token_bytes(NONCE_BYTES)
-    unsealed = Kit(
-        vault_id,
-        crypto.key_id(master_key),
-        utcnow(),
-        SCRYPT_N,
-        SCRYPT_R,
-        SCRYPT_P,
-        salt,
-        nonce,
-        b"",
-    )
+    fields = (vault_id, kid, utcnow(), SCRYPT_N, SCRYPT_R, SCRYPT_P, salt, nonce)
+    kids = tuple(sorted(keys))
+    unsealed = Kit(*fields, b"", KIT_VERSION, kids)
     wrapping = _derive(passphrase, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
-    ciphertext = AESGCM(wrapping).encrypt(
-        nonce, master_key.encode("ascii"), unsealed.associated_data()
-    )
-    return Kit(
-        unsealed.vault_id,
-        unsealed.kid,
-        unsealed.created_at,
-        unsealed.n,
-        unsealed.r,
-        unsealed.p,
-        salt,
-        nonce,
-        ciphertext,
-    )
+    sealed = json.dumps({"keys": keys}, sort_keys=True).encode("ascii")
+    ciphertext = AESGCM(wrapping).encrypt(nonce, sealed, unsealed.associated_data())
+    return Kit(*fields, ciphertext, KIT_VERSION, kids)
 
 
 def load(path: str | os.PathLike[str]) -> Kit:
@@ -218,12 +219,13 @@ def load(path: str | os.PathLike[str]) -> Kit:
         raise _not_a_kit(p, "it is far larger than a kit")
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise _not_a_kit(p, "it is not JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != KIT_FORMAT:
         raise _not_a_kit(p, "its format field is not memvault-recovery-kit")
-    if doc.get("version") != KIT_VERSION:
-        raise _not_a_kit(p, f"unknown kit version {doc.get('version')!r}; upgrade memvault")
+    version = doc.get("version")
+    if type(version) is not int or version not in KIT_VERSIONS:  # not true, not 1.0
+        raise _not_a_kit(p, f"unknown kit version {version!r}; upgrade memvault")
     kdf = doc.get("kdf")
     if not isinstance(kdf, dict) or kdf.get("name") != "scrypt":
         raise _not_a_kit(p, "its kdf is not scrypt")
@@ -231,13 +233,14 @@ def load(path: str | os.PathLike[str]) -> Kit:
         raise _not_a_kit(p, f"its cipher is not {CIPHER}")
     n, r, par = kdf.get("n"), kdf.get("r"), kdf.get("p")
     if not (
-        isinstance(n, int)
+        type(n) is int
         and _N_RANGE[0] <= n <= _N_RANGE[1]
         and n & (n - 1) == 0
-        and isinstance(r, int)
+        and type(r) is int
         and _R_RANGE[0] <= r <= _R_RANGE[1]
-        and isinstance(par, int)
+        and type(par) is int
         and _P_RANGE[0] <= par <= _P_RANGE[1]
+        and n < 2 ** (16 * r)  # RFC 7914's bound; past it OpenSSL raises MemoryError
     ):
         raise _not_a_kit(p, "its scrypt parameters are out of range")
     check_kdf_cost(n, r, par, p)
@@ -249,7 +252,31 @@ def load(path: str | os.PathLike[str]) -> Kit:
     ciphertext = _unb64(doc.get("ciphertext"), "ciphertext", p)
     if len(nonce) != NONCE_BYTES or not salt:
         raise _not_a_kit(p, "its salt or nonce has the wrong length")
-    return Kit(doc["vault_id"], doc["kid"], doc["created_at"], n, r, par, salt, nonce, ciphertext)
+    kids: tuple[str, ...] = ()
+    if version >= 2:
+        listed = doc.get("kids")
+        if (
+            not isinstance(listed, list)
+            or not 0 < len(listed) <= MAX_KIDS
+            or not all(crypto.looks_like_kid(k) for k in listed)
+            or len(set(listed)) != len(listed)
+            or doc["kid"] not in listed
+        ):
+            raise _not_a_kit(p, "its list of key ids is malformed")
+        kids = tuple(listed)
+    return Kit(
+        doc["vault_id"],
+        doc["kid"],
+        doc["created_at"],
+        n,
+        r,
+        par,
+        salt,
+        nonce,
+        ciphertext,
+        version,
+        kids,
+    )
 
 
 def kdf_cost(n: int, r: int, p: int) -> tuple[int, int]:
@@ -291,114 +318,3 @@ def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False)
         raise OperationFailed(
             f"cannot write {target} ({exc.strerror}); no kit was written"
         ) from None
-
-
-# --------------------------------------------------------------------------
-# The two operations behind `memvault key export` / `memvault key import`
-# --------------------------------------------------------------------------
-def export_kit(
-    vault: Vault | PgVault,
-    path: str | os.PathLike[str],
-    passphrase: str,
-    force: bool = False,
-) -> dict[str, Any]:
-    """Write the vault's current key, wrapped under `passphrase`, to a new 0600 file."""
-    check_passphrase(passphrase)
-    sealer = vault.sealer()  # a working key, checked against the file
-    if ROTATING_FROM in vault.meta():
-        # A kit holds one key: it would not open the rows still under the old one.
-        raise VaultBusy(
-            f"a key rotation of {vault.path} is under way (or was cut off); wait for it, or "
-            "run `memvault rotate` to finish it, then export the kit; nothing was written"
-        )
-    vault_id = vault.vault_id
-    kit = seal(sealer.master_key, vault_id, passphrase)
-    target = write_kit_file(path, kit.to_json(), force=force)
-    vault.record("key-export", kit.kid, kit_version=KIT_VERSION, kdf="scrypt")
-    return {"path": str(target), "vault_id": vault_id, "kid": kit.kid, "created_at": kit.created_at}
-
-
-def check_kit_fits(vault: Vault | PgVault, kit: Kit, path: Path) -> dict[str, str]:
-    """Refuse, naming the ids, a kit from another vault or another (older) key."""
-    meta = vault.meta()
-    if kit.vault_id != meta["vault_id"]:
-        raise KeyMismatch(
-            f"the recovery kit {path} belongs to vault {kit.vault_id}, not to vault "
-            f"{meta['vault_id']} at {vault.path}; use the kit exported from this vault"
-        )
-    if "revoked_at" in meta:
-        raise KeyRevoked(
-            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; a "
-            "recovery kit cannot bring it back (its rows were cut off from every key)"
-        )
-    if kit.kid != meta["kid"]:
-        raise KeyMismatch(
-            f"the recovery kit {path} holds key {kit.kid} but vault {meta['vault_id']} now uses "
-            f"key {meta['kid']} (the kit predates a rotation); use a kit exported after the "
-            "last rotation"
-        )
-    return meta
-
-
-def import_kit(
-    vault: Vault | PgVault,
-    path: str | os.PathLike[str],
-    passphrase: str | Callable[[], str],
-    confirm_replace: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Put the kit's key in the keyring as its own version entry, after checking it
-    against the vault's key id.
-
-    Touches no other entry: a live vault and a restored backup copy of it (at an
-    older key) each keep theirs. An entry of that version that already holds the
-    key is left alone; one that holds something else (damaged) is replaced after
-    `confirm_replace(what_it_held)`. `passphrase` may be a callable, asked only once
-    the kit is known to fit the vault.
-    """
-    p = Path(path)
-    kit = load(p)
-    meta = check_kit_fits(vault, kit, p)
-    secret = passphrase() if callable(passphrase) else passphrase
-    check_passphrase(secret)
-    key = kit.open(secret, p)
-    if crypto.key_id(key) != meta["kid"]:  # kit.open checked key_id(key) == kit.kid
-        raise KeyMismatch(f"the kit's key does not match vault {meta['vault_id']}")
-    vault_id = meta["vault_id"]
-    ks = vault.keystore
-    ks.check_usable()
-    name = entry_name(vault_id, kit.kid)
-    before = ks.get(name)
-    replaced: str | None = None
-    if before == key:
-        state = "present"
-    elif before is None:
-        state = "missing"
-    else:
-        state = "mismatched"
-        replaced = crypto.key_id(before) if crypto.is_valid_key(before) else "unknown"
-        if confirm_replace is not None:
-            confirm_replace(replaced)  # raises to refuse
-    if state != "present":
-        ks.set(name, key)  # verified by reading it back
-    try:
-        fresh = vault.sealer(refresh=True)  # a 0.1.0 file moves to the new layout here
-        if fresh.kid != meta["kid"]:
-            raise KeyProblem(f"the keyring did not keep the restored key for vault {vault_id}")
-    except BaseException:
-        # A revoke or shred that ran since the kit was checked destroyed the entries it
-        # knew of before this one was stored: the entry this import added goes too.
-        if state == "missing":
-            with contextlib.suppress(VaultError):
-                ks.delete(name)
-        raise
-    extra = {"replaced_kid": replaced} if replaced else {}
-    vault.record("key-import", kit.kid, keyring_before=state, **extra)
-    return {
-        "path": str(p),
-        "vault_id": vault_id,
-        "kid": kit.kid,
-        "keyring_before": state,
-        "replaced_kid": replaced,
-        "restored": state != "present",
-        "keyring": ks.name,
-    }

@@ -8,8 +8,9 @@ finished from the file and keyring look-ups alone, by `tidy` on the next open.
 * open (`sealer`): the entry of the file's `kid`; then `tidy` if the journal
   holds a pending or retired version or 0.1.0 entry names to delete.
 * rotate: record N pending -> under the write lock, store N's entry, re-encrypt
-  every row, `kid` = N, old -> retired, N -> current, commit -> delete the old
-  entry -> old -> destroyed.
+  every row, `kid` = N, old -> retired, N -> current, commit -> old -> retained
+  while a recorded backup uses it (vault.retention), else delete the old entry ->
+  old -> destroyed.
 * revoke: mark the file -> delete every recorded version's entry -> all destroyed.
 
 The transactions of a rotation open and commit by hand, not with
@@ -23,39 +24,24 @@ import contextlib
 import json
 import sqlite3
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import crypto, keyjournal, legacy, testhooks
-from .db import VaultFile, audit, read_meta, row_batches, set_meta
-from .errors import Interrupted, KeyProblem, KeyRevoked, VaultBusy
+from . import backupmark, crypto, keyjournal, legacy, retention, testhooks
+from .db import audit, read_meta, row_batches, set_meta
+from .errors import Interrupted, KeyProblem, VaultBusy
 from .files import Progress
-from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, entry_name
+from .keptkeys import KeptVersions
+from .keptkeys import KeyVersionInfo as KeyVersionInfo  # re-exported: the engines' `key list`
+from .keptkeys import refuse_revoked as refuse_revoked  # re-exported: both engines refuse
+from .keptkeys import with_backups as with_backups  # re-exported: the engines' `key list`
+from .keyjournal import CURRENT, DESTROYED, PENDING, RETAINED, RETIRED, entry_name
 from .keys import KeyStore, require_key
 from .results import Report
 from .schema import LEGACY_FORMAT, MESSAGES_TABLE, utcnow
 
 
-@dataclass(frozen=True)
-class KeyVersionInfo:
-    """One line of `memvault key list`: never the key itself."""
-
-    kid: str
-    state: str
-    in_keyring: bool
-    created_at: str | None
-
-
-def refuse_revoked(meta: dict[str, str]) -> None:
-    if "revoked_at" in meta:
-        raise KeyRevoked(
-            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; its "
-            "history can never be read again; `memvault shred` removes the vault"
-        )
-
-
-class KeyLifecycle(VaultFile):
+class KeyLifecycle(KeptVersions):
     """A vault file with its key: loaded, checked, rotated, revoked."""
 
     def __init__(self, path: Path, keystore: KeyStore | None = None) -> None:
@@ -76,6 +62,19 @@ class KeyLifecycle(VaultFile):
             conn.execute("BEGIN")  # deferred: the first SELECT fixes the snapshot
             meta = read_meta(conn, self.path)
             return meta, keyjournal.versions(conn)
+
+    def _untidy(self, meta: dict[str, str], versions: list[keyjournal.KeyVersion]) -> bool:
+        """Whether `tidy` has work: a crash's leftovers, or a retained version no
+        recorded backup needs any more (its backup was recorded again under another)."""
+        if any(v.state in (PENDING, RETIRED) for v in versions):
+            return True
+        if not any(v.state == RETAINED for v in versions):
+            return False
+        with self.connection() as conn:
+            recs = retention.records(conn)
+        return any(
+            v.state == RETAINED and retention.fate(v.kid, recs) == DESTROYED for v in versions
+        )
 
     def sealer(self, refresh: bool = False) -> crypto.Sealer:
         """The sealer of the file's key: the entry `<vault_id>/<kid>`, nothing else.
@@ -105,7 +104,7 @@ class KeyLifecycle(VaultFile):
             if (
                 meta["format"] == LEGACY_FORMAT
                 or keyjournal.LEGACY_MARK in meta
-                or any(v.state in (PENDING, RETIRED) for v in versions)
+                or self._untidy(meta, versions)
             ):
                 self.tidy()
             return self._sealer
@@ -117,17 +116,26 @@ class KeyLifecycle(VaultFile):
         Under the write lock, taken without waiting: a rotation stores a pending
         version's entry only while it holds that lock, so holding it proves no
         rotation is in flight, and a pending version is then a dead one. Retired
-        versions are keys no row uses any more. Both entries go, and the journal
-        says so. Busy, or the keyring refusing a delete: a later open tries again.
+        versions are keys no row uses any more: kept (retained) while a recorded
+        backup uses one, else gone, as a pending one's entry and a retained one no
+        backup needs any more. The journal says so. Busy, or the keyring refusing a
+        delete: a later open tries again.
         """
         ks = self.keystore
         with contextlib.suppress(VaultBusy, KeyProblem), self.connection(timeout=0) as conn:
             conn.execute("BEGIN IMMEDIATE")
             meta = read_meta(conn, self.path)
-            if "revoked_at" in meta:
+            if "revoked_at" in meta or backupmark.is_backup(meta):
+                # A backup's journal is the live vault's at the time: its pending or
+                # retired versions may be the live vault's keys now.
                 return
+            recs = retention.records(conn)
             for v in keyjournal.versions(conn):
-                if v.state in (PENDING, RETIRED) and v.kid != meta["kid"]:
+                if v.state in (PENDING, RETIRED, RETAINED) and v.kid != meta["kid"]:
+                    if v.state != PENDING and retention.fate(v.kid, recs) == RETAINED:
+                        if v.state == RETIRED:
+                            keyjournal.record(conn, v.kid, RETAINED)
+                        continue
                     ks.delete(entry_name(meta["vault_id"], v.kid))
                     testhooks.failpoint("tidy-after-delete")
                     keyjournal.record(conn, v.kid, DESTROYED)
@@ -151,6 +159,7 @@ class KeyLifecycle(VaultFile):
             meta = read_meta(conn, self.path)
             recorded = {v.kid: v for v in keyjournal.versions(conn)}
             kids = keyjournal.known_kids(conn, meta)
+            recs = retention.records(conn)
         ks = self.keystore
         ks.check_usable()
         here = keyjournal.present(ks, meta["vault_id"], kids)
@@ -163,7 +172,7 @@ class KeyLifecycle(VaultFile):
             else:  # a 0.1.0 file not moved yet: its audit trail names its keys
                 state, created = (CURRENT if kid == meta["kid"] else DESTROYED), None
             out.append(KeyVersionInfo(kid, state, kid in here, created))
-        return out
+        return with_backups(out, recs)
 
     def check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> crypto.Sealer:
         """Inside a write transaction: the file still uses the key we hold.
@@ -181,6 +190,7 @@ class KeyLifecycle(VaultFile):
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it committed."""
+        backupmark.refuse_writes(self, "`memvault rotate`")
         self._rotation_committed = False
         try:
             return self._rotate(progress, scrub)
@@ -218,11 +228,23 @@ class KeyLifecycle(VaultFile):
             raise VaultBusy(f"{self.path} kept changing key during the rotation; try again")
         vault_id = self.vault_id
         testhooks.failpoint("after-commit")
-        self.keystore.delete(entry_name(vault_id, old.kid))
-        testhooks.failpoint("after-retired-deleted")
         with self.write_transaction() as conn:
-            if any(v.kid == old.kid and v.state == RETIRED for v in keyjournal.versions(conn)):
-                keyjournal.record(conn, old.kid, DESTROYED)
+            # Under the write lock: a backup records the kid it copies under that lock
+            # too, so every backup of the old key is in `recs` (a later one uses the new).
+            recs = retention.records(conn)
+            fate = retention.fate(old.kid, recs)
+            retired = any(
+                v.kid == old.kid and v.state == RETIRED for v in keyjournal.versions(conn)
+            )
+            if fate == RETAINED and retired:
+                keyjournal.record(conn, old.kid, RETAINED)
+        testhooks.failpoint("after-retained")
+        if fate == DESTROYED:
+            self.keystore.delete(entry_name(vault_id, old.kid))
+            testhooks.failpoint("after-retired-deleted")
+            with self.write_transaction() as conn:
+                if any(v.kid == old.kid and v.state == RETIRED for v in keyjournal.versions(conn)):
+                    keyjournal.record(conn, old.kid, DESTROYED)
         self._sealer = new
         scrubbed = self.scrub() if scrub else False
         return Report(
@@ -230,6 +252,8 @@ class KeyLifecycle(VaultFile):
                 **counts,
                 "old_kid": old.kid,
                 "new_kid": new.kid,
+                "old_key": fate,
+                "backups": self.backups(),
                 "seconds": round(time.monotonic() - started, 3),
                 "scrubbed": scrubbed,
             },
@@ -321,6 +345,8 @@ class KeyLifecycle(VaultFile):
         Versions the file no longer used (retired by rotations) go too: a backup copy
         restored with an older kit becomes unreadable as well, and is named.
         """
+        # A backup's key versions are the live vault's: revoking them is the live vault's call.
+        backupmark.refuse_writes(self, "`memvault revoke`")
         ks = self.keystore
         ks.check_usable()
         with self.write_transaction() as conn:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from . import crypto, durations, pgadmin, pgrotate, pgschema
+from . import crypto, durations, pgadmin, pgkept, pgrotate, pgschema
 from .db import parse_ttl
 from .errors import (
     BadInput,
@@ -46,7 +46,7 @@ from .pgbase import Keys, PgVaultBase
 from .pgschema import audit, record_key
 from .pgurl import INSTALL_HINT, parse
 from .results import Cleared, Popped, Report, SessionInfo
-from .schema import DEFAULT_TTL, FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .schema import DEFAULT_TTL, FORMAT, MESSAGES_TABLE, PREVIOUS_FORMAT, SESSIONS_TABLE, utcnow
 from .store import COUNTS_NOTE
 
 T = TypeVar("T")
@@ -61,11 +61,11 @@ PG_SCRUB_NOTE = (
 PG_ROTATE_NOTE = (
     "not applicable on PostgreSQL: the old ciphertext stays in dead row versions until "
     "PostgreSQL reuses the space (VACUUM); it is under the old key, whose keyring entry "
-    "is destroyed"
+    "is destroyed unless a recorded backup retains it (`memvault key list`)"
 )
 
 
-class PgVault(PgVaultBase):
+class PgVault(pgkept.PgKeptVersions, PgVaultBase):
     """A vault in a PostgreSQL database or schema. Open with `PgVault.open` / `PgVault.init`."""
 
     backend = "postgresql"
@@ -78,7 +78,7 @@ class PgVault(PgVaultBase):
 
         async def check(conn: Any) -> bool:
             meta = await vault.read_meta(conn)
-            if meta.get("format") != FORMAT:
+            if meta.get("format") not in (FORMAT, PREVIOUS_FORMAT):
                 raise NotAVault(
                     f"{vault.path} has an unknown memvault format {meta.get('format')!r}; "
                     "upgrade memvault"
@@ -268,12 +268,15 @@ class PgVault(PgVaultBase):
     def status(self, now: int | None = None) -> dict[str, Any]:
         """What `memvault status` shows; the file fields say they do not apply."""
 
-        async def read(conn: Any) -> tuple[dict[str, str], str | None, list[SessionInfo]]:
+        async def read(
+            conn: Any,
+        ) -> tuple[dict[str, str], str | None, list[SessionInfo], str | None]:
             meta = await self.read_meta(conn)
             ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
-            return meta, await pgschema.current_schema(conn), await self._count(conn, ttl, now)
+            schema, infos = await pgschema.current_schema(conn), await self._count(conn, ttl, now)
+            return meta, schema, infos, await pgschema.last_rotation(conn, meta)
 
-        meta, schema, infos = self.run(read)
+        meta, schema, infos, rotated = self.run(read)
         ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
         out: dict[str, Any] = {
             "backend": self.backend,
@@ -286,7 +289,7 @@ class PgVault(PgVaultBase):
             "kid": meta["kid"],
             "ttl": durations.format_duration(ttl),
             "created_at": meta.get("created_at"),
-            "rotated_at": meta.get("rotated_at"),
+            "rotated_at": rotated,
             "scrub_pending": False,
             "shred_interrupted": False,
             "keyring": None,

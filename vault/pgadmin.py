@@ -25,12 +25,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import crypto, keyjournal, testhooks
+from . import crypto, keyjournal, pgkept, testhooks
 from .db import parse_ttl
 from .errors import KeyProblem, OperationFailed, VaultBusy
 from .files import Progress
 from .keyjournal import CURRENT, DESTROYED, PENDING, entry_name
-from .lifecycle import KeyVersionInfo, refuse_revoked
+from .lifecycle import KeyVersionInfo, refuse_revoked, with_backups
 from .pgconn import translate_after
 from .pglock import admin_lock
 from .pgrotate import FROM, PROGRESS, ROW_BATCH, kid_of
@@ -60,6 +60,7 @@ VAULT_TABLES = (
     MESSAGES_TABLE,
     SESSIONS_TABLE,
     "memvault_audit",
+    "memvault_backups",
     "memvault_keys",
     "memvault_migrations",
     "memvault_meta",
@@ -385,7 +386,7 @@ def key_versions(vault: PgVault) -> list[KeyVersionInfo]:
     for kid in sorted(kids - seen):
         state = CURRENT if kid == meta["kid"] else DESTROYED
         out.append(KeyVersionInfo(kid, state, kid in here, None))
-    return out
+    return with_backups(out, pgkept.records_of(vault))
 
 
 def forget_destroyed(vault: PgVault) -> list[str]:

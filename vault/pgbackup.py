@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import backup as file_backup
 from . import pgrotate, pgschema
 from .db import connect, sqlite_errors
-from .errors import KeyProblem, KeyRevoked, OperationFailed, VaultBusy
+from .errors import KeyRevoked, OperationFailed, VaultBusy
 from .keyjournal import CURRENT, DESTROYED
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
 from .verify import BATCH
@@ -37,27 +37,27 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     opens the copy with the same keyring entry. Raises BadInput for an unusable
     `dest`, KeyRevoked for a revoked vault, VaultBusy while a rotation is under way.
     """
-    _refuse(vault, vault.meta())
+    meta = vault.meta()
+    _refuse(vault, meta)
     target = file_backup.check_destination(dest)
-    kid, vault_id, sessions, items = file_backup.write_new_copy(
-        target, lambda: _copy(vault, target)
+    # Recorded in the vault first, and marked, as a file vault's backup is
+    # (vault.backup.recorded_copy, vault.backupmark).
+    rec, (kid, vault_id, sessions, items) = file_backup.recorded_copy(
+        vault,
+        target,
+        lambda rec, keep: file_backup.write_new_copy(
+            target,
+            lambda dest: _copy(vault, dest),
+            file_backup.mark_as_backup(meta["vault_id"], rec.backup_id),
+            keep,
+        ),
     )
-    key_problem: str | None = None
-    try:
-        key_kid = vault.sealer(refresh=True).kid
-    except KeyProblem as exc:
-        key_problem = exc.message
-    else:
-        if key_kid != kid:
-            key_problem = (
-                f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
-                f"open the copy (key {kid}); run `memvault backup` again"
-            )
+    key_problem = file_backup.key_check(vault, rec, kid)
     audited = True
     try:
         vault.run(
             lambda conn: pgschema.audit(
-                conn, "backup", kid, items=items, sessions=sessions, to=str(target)
+                conn, "backup", kid, items=items, sessions=sessions, to=rec.path
             ),
             write=True,
         )
@@ -71,7 +71,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
             "kept apart"
         )
     return file_backup.BackupResult(
-        path=str(target),
+        path=rec.path,
         source=vault.path,
         vault_id=vault_id,
         kid=kid,
@@ -83,6 +83,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
         key_problem=key_problem,
         restore=restore,
         audited=audited,
+        backup_id=rec.backup_id,
     )
 
 
@@ -124,7 +125,8 @@ def _copy(vault: PgVault, target: Path) -> None:
                 )
                 # Only the versions the copy uses or that are gone: a pending or retired
                 # entry belongs to the server's rotation, and the file's tidy-up on open
-                # would delete it from the keyring under that rotation's feet.
+                # would delete it from the keyring under that rotation's feet; a retained
+                # one is the server's to keep for its backups (their records stay there).
                 out.executemany(
                     "INSERT INTO memvault_keys (kid, state, created_at, changed_at) "
                     "VALUES (?, ?, ?, ?)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -115,6 +116,21 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
         )
     if state is not None:
         return OperationFailed(f"PostgreSQL error on {where}: {text} (SQLSTATE {state})")
+    if isinstance(exc, OSError) and "rejected SSL upgrade" in text:
+        # asyncpg's ConnectionError when sslmode asks for SSL the server does not offer:
+        # the server is there, so "cannot reach" would send the user after the wrong fix.
+        return NotAVault(
+            f"the PostgreSQL server of {where} does not offer SSL, which the URL's sslmode "
+            "requires; enable SSL on the server, or set sslmode=prefer or disable in the URL "
+            "(only on a network you trust); nothing was changed"
+        )
+    if isinstance(exc, ssl.SSLError | ssl.CertificateError) or (
+        type(exc).__name__ == "ClientConfigurationError" and "certificate" in text
+    ):
+        return NotAVault(
+            f"SSL with the PostgreSQL server of {where} failed ({text}); check the server's "
+            "certificate and the URL's sslmode and sslrootcert; nothing was changed"
+        )
     if isinstance(exc, OSError | TimeoutError):
         why = getattr(exc, "strerror", None) or type(exc).__name__
         return NotAVault(

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, cast
 from . import crypto, pgschema, testhooks
 from .errors import OperationFailed
 from .files import Progress
-from .import_source import SourceSession
-from .importer import BATCH, Importer, _digest_update
+from .import_source import SourceSession, digest_update
+from .importer import BATCH, Importer
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class PgImporter(Importer):
                 sealed = []
                 for row_id, data, created in batch:
                     item = self._decode(self.plan, sid, row_id, data)
-                    _digest_update(source_digest, item)
+                    digest_update(source_digest, item)
                     when = _when(created)
                     if when is not None and last is not None and when < last:
                         when = last
@@ -111,7 +111,7 @@ class PgImporter(Importer):
                 opened = current.open(sid, record[0], None)
                 if opened.state is not crypto.ItemState.READABLE:
                     break
-                _digest_update(vault_digest, opened.item)
+                digest_update(vault_digest, opened.item)
                 stored += 1
             if (
                 stored != count
@@ -123,7 +123,15 @@ class PgImporter(Importer):
                     f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
                     f"back and not imported ({part - 1} session(s) before it were)"
                 )
-            await pgschema.audit(conn, "import", current.kid, items=count, part=part, parts=parts)
+            await pgschema.audit(
+                conn,
+                "import",
+                current.kid,
+                items=count,
+                part=part,
+                parts=parts,
+                **self.resume.marks(sid),
+            )
             return count
 
         return self.pg.change(body)

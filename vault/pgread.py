@@ -45,6 +45,7 @@ PG_TABLES = (
     MESSAGES_TABLE,
     "memvault_meta",
     "memvault_audit",
+    "memvault_backups",
     "memvault_keys",
     "memvault_migrations",
 )
@@ -319,7 +320,7 @@ async def _items(
             continue
         for row_id, sid, data in batch:
             sealer = keys.get(pgrotate.kid_of(data) or "", current)
-            state = sealer.state(str(sid), data, ttl)
+            state = sealer.state(str(sid), data, ttl, decode=True)  # as verify.py: decoded too
             if state is crypto.ItemState.UNREADABLE:
                 report.add("unauthenticated_items", f"item {row_id} of session {str(sid)[:60]!r}")
                 continue

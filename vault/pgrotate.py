@@ -31,10 +31,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import crypto, testhooks
+from . import crypto, pgkept, testhooks
 from .errors import VaultBusy
 from .files import Progress
-from .keyjournal import CURRENT, DESTROYED, PENDING, RETIRED, ROTATING_FROM, entry_name
+from .keyjournal import (
+    CURRENT,
+    DESTROYED,
+    PENDING,
+    RETAINED,
+    RETIRED,
+    ROTATING_FROM,
+    entry_name,
+)
 from .keys import require_key
 from .lifecycle import refuse_revoked
 from .pgconn import translate_after
@@ -92,9 +100,8 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
                 await audit(conn, "rotate", new.kid, old_kid=old.kid, online=True, **counts)
             testhooks.failpoint("pg-rotate-after-finish")
             vault_id = (await vault.read_meta(conn))["vault_id"]
-            ks.delete(entry_name(vault_id, old.kid))
-            async with conn.transaction():
-                await record_key(conn, old.kid, DESTROYED)
+            # Kept while a recorded backup uses it (vault.retention), else destroyed.
+            fate = await pgkept.settle_old(conn, vault_id, old.kid, ks.delete)
     finally:
         await conn.close()
     vault.use_key(new, retired=old.kid)
@@ -103,6 +110,8 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
             **counts,
             "old_kid": old.kid,
             "new_kid": new.kid,
+            "old_key": fate,
+            "backups": pgkept.backups(vault),
             "seconds": round(time.monotonic() - started, 3),
             "scrubbed": True,
         },
@@ -128,15 +137,20 @@ async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, cr
     # Holding the rotation lock proves no other rotation is between its record and its
     # end: a pending version is a dead one (cut off before its switch), a retired one a key
     # whose rows all moved (cut off after its end, before its entry went). No row uses
-    # either: their entries go, as `tidy` does for a file.
+    # either: a pending entry goes; a retired one, or a retained one whose backups moved
+    # on, is judged as a rotation's end judges it, as `tidy` does for a file.
     rows = await conn.fetch(
-        "SELECT kid FROM memvault_keys WHERE state = ANY($1)", [PENDING, RETIRED]
+        "SELECT kid, state FROM memvault_keys WHERE state = ANY($1)", [PENDING, RETIRED, RETAINED]
     )
-    for (kid,) in rows:
-        if kid != meta["kid"]:
+    for kid, state in rows:
+        if kid == meta["kid"]:
+            continue
+        if state == PENDING:
             ks.delete(entry_name(vault_id, kid))
             async with conn.transaction():
                 await record_key(conn, kid, DESTROYED)
+        else:
+            await pgkept.settle_old(conn, vault_id, kid, ks.delete)
     old = vault.sealer(refresh=True)
     new = crypto.Sealer(crypto.generate_key())
     async with conn.transaction():

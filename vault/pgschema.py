@@ -15,7 +15,17 @@ import json
 from typing import Any
 
 from . import keyjournal
-from .schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from .schema import (
+    FORMAT,
+    GUARD_MESSAGE,
+    KEY_STATES_SQL,
+    MESSAGES_TABLE,
+    PREVIOUS_FORMAT,
+    ROTATION_LOGGED,
+    SESSIONS_TABLE,
+    utcnow,
+)
+from .schema import last_rotation as _last_rotation
 
 # The guard's SQLSTATE: check_violation, so that SQLAlchemy reports it as an IntegrityError
 # (as sqlite3 reports the SQLite trigger's refusal), and the session retries it alike.
@@ -57,7 +67,7 @@ def _meta(schema: str) -> list[str]:
 
 
 def _guard_function(schema: str, extra_check: str = "") -> str:
-    # Anything that is not a 4-key envelope object {__enc__: 1, v, kid, payload: "gAAAAA..."}
+    # Anything that is not a 4-member envelope object {__enc__: 1, v, kid, payload: "gAAAAA..."}
     # whose kid is the meta's current one is refused, plaintext from a bare
     # SQLAlchemySession and a writer still holding a retired key alike. The meta is
     # named with its schema: the trigger must not depend on the writer's search_path.
@@ -66,10 +76,16 @@ def _guard_function(schema: str, extra_check: str = "") -> str:
             LANGUAGE plpgsql AS $guard$
             DECLARE
                 env jsonb;
+                members bigint;
                 current_kid text;
             BEGIN
                 BEGIN
                     env := NEW.message_data::jsonb;
+                    -- Counted on json, which keeps a label given twice; jsonb keeps
+                    -- only its last value.
+                    IF jsonb_typeof(env) = 'object' THEN
+                        members := (SELECT count(*) FROM json_object_keys(NEW.message_data::json));
+                    END IF;
                 EXCEPTION WHEN others THEN
                     env := NULL;
                 END;
@@ -81,7 +97,7 @@ def _guard_function(schema: str, extra_check: str = "") -> str:
                     OR jsonb_typeof(env -> 'payload') IS DISTINCT FROM 'string'
                     OR left(env ->> 'payload', 6) IS DISTINCT FROM 'gAAAAA'
                     OR env ->> 'kid' IS DISTINCT FROM current_kid{extra_check}
-                    OR (SELECT count(*) FROM jsonb_object_keys(env)) <> 4
+                    OR members IS DISTINCT FROM 4
                 THEN
                     RAISE EXCEPTION USING MESSAGE = '{message}', ERRCODE = '{GUARD_SQLSTATE}';
                 END IF;
@@ -114,6 +130,12 @@ def _guard_requires_v(schema: str) -> list[str]:
     return [guard_function(schema)]
 
 
+# m006's function counted members on jsonb, which keeps only the last of a label given
+# twice: {"payload": "plaintext", ..., "payload": "gAAAAA..."} counted four and got in.
+# The function now counts on json; this step puts it into vaults made before.
+_guard_counts_json_members = _guard_requires_v
+
+
 def _audit(schema: str) -> list[str]:
     # Events and counts only: never content, never a session's items.
     return [
@@ -141,6 +163,24 @@ def _key_versions(schema: str) -> list[str]:
     ]
 
 
+def _retained_keys_and_backups(schema: str) -> list[str]:
+    # vault.schema's m009: the `retained` state, the backups' records, the format bump.
+    return [
+        "ALTER TABLE memvault_keys DROP CONSTRAINT IF EXISTS memvault_keys_state_check",
+        f"ALTER TABLE memvault_keys ADD CONSTRAINT memvault_keys_state_check "
+        f"CHECK (state IN ({KEY_STATES_SQL}))",
+        """CREATE TABLE memvault_backups (
+               seq BIGSERIAL,
+               backup_id TEXT PRIMARY KEY,
+               path TEXT NOT NULL,
+               kid TEXT NOT NULL,
+               created_at TEXT NOT NULL
+           )""",
+        f"UPDATE memvault_meta SET value = '{FORMAT}' "
+        f"WHERE key = 'format' AND value = '{PREVIOUS_FORMAT}'",
+    ]
+
+
 # Applied in this order, each recorded once by name (names as in vault.schema where the
 # step is the same).
 MIGRATIONS = [
@@ -150,6 +190,8 @@ MIGRATIONS = [
     ("m004_audit", _audit),
     ("m005_key_versions", _key_versions),
     ("m006_guard_requires_v", _guard_requires_v),
+    ("m007_guard_counts_json_members", _guard_counts_json_members),
+    ("m009_retained_keys_and_backups", _retained_keys_and_backups),
 ]
 
 
@@ -225,3 +267,8 @@ async def record_key(conn: Any, kid: str, state: str) -> None:
         state,
         now,
     )
+
+
+async def last_rotation(conn: Any, meta: dict[str, str]) -> str | None:
+    """`rotated_at`, or None for a vault never rotated (vault.schema.last_rotation)."""
+    return _last_rotation(meta, await conn.fetchval(ROTATION_LOGGED) is not None)

@@ -10,6 +10,8 @@ the SQLite one does.
 Relies on the SDK internals listed in vault.session, plus:
 - `SQLAlchemySession._get_compaction_snapshot`: None for a subclass, so the
   compaction wrapper replaces history through our `clear_session`/`add_items`.
+- `SQLAlchemySession._deserialize_item(item)`: the SDK's one row decoder (its
+  docstring invites overriding); overridden so a row too deeply nested is skipped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ if TYPE_CHECKING:
 
 class VaultSQLAlchemySession(SQLAlchemySession):
     """The SDK's SQLAlchemySession on the vault's tables; never creates tables itself."""
+
+    async def _deserialize_item(self, item: str) -> Any:
+        # The SDK skips a row whose decoding raises JSONDecodeError, not RecursionError: a
+        # row nested deeper than the parser's stack (`[` x 5000, storable by a writer of the
+        # tables) is skipped the same way instead of ending the agent's read.
+        try:
+            return json.loads(item)
+        except RecursionError:
+            raise json.JSONDecodeError("nested too deeply", item[:20], 0) from None
 
 
 def _driver_error(exc: BaseException) -> BaseException:
@@ -125,7 +136,7 @@ class PgVaultSession(VaultSession):
             if other is not None:
                 opened = other.open(self.session_id, json.dumps(item), self.ttl)
                 return opened.item if opened.state is crypto.ItemState.READABLE else None
-        return EncryptedSession._unwrap(self, item)
+        return self._sdk_unwrap(item)
 
     def _translate(self, exc: BaseException) -> VaultError:
         return translate(_driver_error(exc), self._vault.loc)  # type: ignore[attr-defined]

@@ -23,7 +23,10 @@ _URL = re.compile(r"^(postgres|postgresql)(\+[A-Za-z0-9_]+)?://", re.IGNORECASE)
 _QUERY_PARAM = re.compile(r"([?&])([^=&#]*)=([^&#]*)")
 _SECRET_KEYS = frozenset({"password", "passfile", "sslpassword"})
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-INSTALL_HINT = "PostgreSQL support needs `pip install memvault[postgres]`"
+INSTALL_HINT = (
+    "PostgreSQL support needs `pip install 'memvault[postgres]'` "
+    "(from a clone of the source: `pip install -e '.[postgres]'`)"
+)
 # The commands (and library calls) a PostgreSQL vault supports so far.
 SUPPORTED = (
     "init, status, sessions, show, clear, pop, ttl, log, purge, rotate, revoke, shred, "

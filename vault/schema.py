@@ -13,7 +13,10 @@ import datetime as _dt
 import sqlite3
 from collections.abc import Callable
 
-FORMAT = "memvault/2"
+FORMAT = "memvault/3"
+# 0.2's files: moved to FORMAT by m009 on their first open (0.2 then refuses them: its
+# start-up tidy would destroy the key versions kept for backups).
+PREVIOUS_FORMAT = "memvault/2"
 # 0.1.0's files: the same tables, but the key in the keyring under the bare vault id.
 # Such a file moves to FORMAT on its first open that has the key (vault.legacy).
 LEGACY_FORMAT = "memvault/1"
@@ -28,6 +31,22 @@ SHRED_MAGIC = b"memvault-shred\x00\x00"
 def utcnow() -> str:
     """The one timestamp format of the file (meta, audit, migrations): UTC, to the second."""
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# Whether the audit trail records a rotation; the same SQL on both engines.
+ROTATION_LOGGED = "SELECT 1 FROM memvault_audit WHERE event = 'rotate' LIMIT 1"
+
+
+def last_rotation(meta: dict[str, str], rotation_logged: bool) -> str | None:
+    """The time of the last rotation, or None if the vault was never rotated.
+
+    `init` writes `rotated_at` equal to `created_at`; a rotation in that same second
+    is told apart by its audit event.
+    """
+    at = meta.get("rotated_at")
+    if at is not None and at == meta.get("created_at") and not rotation_logged:
+        return None
+    return at
 
 
 # Migrations: applied in this order, each recorded once by name.
@@ -264,6 +283,46 @@ def m008_guard_triggers_text_first(conn: sqlite3.Connection) -> None:
             BEFORE {event} ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
             BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
         )
+
+
+# The journal's states from m009 on: `retained` is a retired version whose entry is kept,
+# decrypt-only, because a backup recorded in `memvault_backups` needs it.
+KEY_STATES_SQL = "'pending', 'current', 'retired', 'retained', 'destroyed'"
+# Every backup made of this vault: where it was written (an absolute path), the key it
+# uses, and the random id also written into the backup's own meta, which tells a
+# backup that was replaced from one that is still there.
+BACKUPS_TABLE_SQL = """CREATE TABLE IF NOT EXISTS memvault_backups (
+               backup_id TEXT PRIMARY KEY,
+               path TEXT NOT NULL,
+               kid TEXT NOT NULL,
+               created_at TEXT NOT NULL
+           )"""
+
+
+@migration
+def m009_retained_keys_and_backups(conn: sqlite3.Connection) -> None:
+    # SQLite cannot change a CHECK constraint: the journal is copied into a new table
+    # (rowids kept: they are its order).
+    conn.execute(
+        f"""CREATE TABLE memvault_keys_new (
+               kid TEXT PRIMARY KEY,
+               state TEXT NOT NULL CHECK (state IN ({KEY_STATES_SQL})),
+               created_at TEXT NOT NULL,
+               changed_at TEXT NOT NULL
+           )"""
+    )
+    conn.execute(
+        "INSERT INTO memvault_keys_new (rowid, kid, state, created_at, changed_at) "
+        "SELECT rowid, kid, state, created_at, changed_at FROM memvault_keys"
+    )
+    conn.execute("DROP TABLE memvault_keys")
+    conn.execute("ALTER TABLE memvault_keys_new RENAME TO memvault_keys")
+    conn.execute(BACKUPS_TABLE_SQL)
+    # A 0.1.0 file keeps its format: vault.legacy moves it (its keys first).
+    conn.execute(
+        "UPDATE memvault_meta SET value = ? WHERE key = 'format' AND value = ?",
+        (FORMAT, PREVIOUS_FORMAT),
+    )
 
 
 def migrate(conn: sqlite3.Connection) -> list[str]:

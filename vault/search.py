@@ -63,6 +63,13 @@ def compile_pattern(pattern: str, regex: bool = False) -> re.Pattern[str]:
             f"bad regular expression {pattern!r}: {exc}; fix it, or drop --regex to look "
             "for the text as it is"
         ) from None
+    except (OverflowError, RecursionError):
+        # `a{99999999999}` overflows the regex compiler and deep nesting exhausts its stack:
+        # bad input like any other pattern that does not compile.
+        raise BadInput(
+            f"regular expression {pattern!r} is too large to compile (a repeat count or a "
+            "nesting too deep); use a smaller one, or drop --regex to look for the text as it is"
+        ) from None
 
 
 def excerpt(text: str, match: re.Match[str], context: int = EXCERPT_CONTEXT) -> str:

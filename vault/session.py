@@ -46,6 +46,7 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import threading
@@ -58,8 +59,10 @@ from agents import SessionSettings, SQLiteSession
 from agents.extensions.memory import EncryptedSession
 from cryptography.fernet import InvalidToken
 
+from . import crypto
+from .backupmark import is_backup, refuse
 from .db import configure, is_busy, lock_timeout, parse_ttl, translate
-from .errors import NotAVault, UnknownSession
+from .errors import NotAVault, UnknownSession, VaultError
 from .schema import GUARD_MESSAGE
 
 if TYPE_CHECKING:
@@ -70,6 +73,59 @@ if TYPE_CHECKING:
 
 # Stands for "never expires" where the SDK needs a number of seconds.
 NEVER = 1 << 62
+
+
+_BOTH: dict[tuple[type[VaultError], type[sqlite3.Error]], type[VaultError]] = {}
+
+
+def _also_sqlite(err: VaultError, exc: sqlite3.Error) -> VaultError:
+    """`err` (its message and exit code) as an instance of `exc`'s sqlite3 class too.
+
+    Code written against the SDK catches the `sqlite3.Error` subclass SQLiteSession
+    raises (OperationalError for "database is locked" or a missing table); the CLI
+    catches VaultError. A drop-in must satisfy both, so its errors are both.
+    """
+    if isinstance(err, sqlite3.Error):
+        return err
+    key = (type(err), type(exc))
+    cls = _BOTH.get(key)
+    if cls is None:
+        name = type(err).__name__
+        cls = _BOTH[key] = type(name, key, {"__module__": __name__, "__qualname__": name})
+    both = cls.__new__(cls, *err.args)  # not __init__: subclasses' signatures differ
+    both.args = err.args
+    both.__dict__.update(err.__dict__)  # its message, and any field a subclass adds
+    # As sqlite3 sets them, so `except sqlite3.Error` code can still read the cause's code.
+    both.sqlite_errorcode = getattr(exc, "sqlite_errorcode", None)  # type: ignore[attr-defined]
+    both.sqlite_errorname = getattr(exc, "sqlite_errorname", None)  # type: ignore[attr-defined]
+    return both
+
+
+def sdk_error(exc: sqlite3.Error, path: Path) -> VaultError:
+    """The vault's error for an SQLite failure in a session call, of the SDK's type too."""
+    if isinstance(exc, VaultError):
+        return exc  # translated already, further down the same call
+    return _also_sqlite(translate(exc, path), exc)
+
+
+def _undecodable_rows_as_none(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The SDK's row decoding (get_items, pop, compaction) skips a row whose `json.loads`
+    raises JSONDecodeError or TypeError, but not RecursionError: a row nested deeper than
+    the parser's stack (`[` x 5000, storable by anyone who can write the file) would end
+    the agent's read. Such a row reaches the SDK as None, which it skips as corrupt."""
+    if (
+        len(row) == 1
+        and isinstance(row[0], str)
+        and cursor.description[0][0] == "message_data"
+        and crypto.split_envelope(row[0]) is None  # what `seal` writes: the fast, common case
+    ):
+        try:
+            json.loads(row[0])
+        except RecursionError:
+            return (None,)
+        except ValueError:
+            pass  # the SDK skips it itself
+    return row
 
 
 class VaultSQLiteSession(SQLiteSession):
@@ -94,6 +150,7 @@ class VaultSQLiteSession(SQLiteSession):
     def _configure_connection(conn: sqlite3.Connection) -> None:
         # The SDK's 5 s busy timeout is shorter than a large rotation: wait instead of failing.
         configure(conn, lock_timeout())
+        conn.row_factory = _undecodable_rows_as_none
         SQLiteSession._configure_connection(conn)
 
     def _stat_identity(self) -> tuple[int, int]:
@@ -134,7 +191,7 @@ class VaultSQLiteSession(SQLiteSession):
                 connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
                 self._configure_connection(connection)
             except sqlite3.Error as exc:
-                raise translate(exc, self._vault_path) from exc
+                raise sdk_error(exc, self._vault_path) from exc
             self._local.connection = connection
             with self._connections_lock:
                 self._connections.add(connection)
@@ -153,7 +210,7 @@ class VaultSQLiteSession(SQLiteSession):
                     self.on_change(conn)
                 self._versions[conn] = version
         except sqlite3.Error as exc:
-            raise translate(exc, self._vault_path) from exc
+            raise sdk_error(exc, self._vault_path) from exc
 
     async def _pop_item_with_validation(self, validate: Callable[[Any], None] | None = None) -> Any:
         item = await super()._pop_item_with_validation(validate)
@@ -180,6 +237,9 @@ class VaultSession(EncryptedSession):
     ) -> None:
         sealer = vault.sealer()
         self._vault = vault
+        # Read once: a restore puts a new file at the path, which this session refuses.
+        meta = vault.meta()
+        self._backup_meta = meta if is_backup(meta) else None
         self._db_path: Path = vault.path
         underlying = VaultSQLiteSession(session_id, vault.path, session_settings)
         super().__init__(
@@ -226,7 +286,16 @@ class VaultSession(EncryptedSession):
             and self._file_kid() != self._kid
         ):
             self._refresh()
-        return super()._unwrap(item)
+        return self._sdk_unwrap(item)
+
+    def _sdk_unwrap(self, item: Any) -> Any:
+        try:
+            return super()._unwrap(item)
+        except (ValueError, RecursionError):
+            # Authenticated, yet no JSON item (not UTF-8, not JSON, nested deeper than the
+            # parser's stack): only a holder of the key could seal it. Skipped as the SDK
+            # skips a token it cannot open, rather than ending the agent's read.
+            return None
 
     async def get_items(self, limit: int | None = None, *, wrapper: Any = None) -> Any:
         # One read is one SQLite snapshot. If the key changed while unwrapping it (another
@@ -238,11 +307,16 @@ class VaultSession(EncryptedSession):
             try:
                 items = await super().get_items(limit, wrapper=wrapper)
             except sqlite3.Error as exc:
-                raise translate(exc, self._db_path) from exc
+                raise sdk_error(exc, self._db_path) from exc
             if self._kid == kid:
                 return items
 
+    def _refuse_backup(self, doing: str) -> None:
+        if self._backup_meta is not None:
+            refuse(self._backup_meta, self._db_path, doing)
+
     async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
+        self._refuse_backup("an agent session's add_items")
         deadline = time.monotonic() + lock_timeout()
         while True:
             sealed_with = self._kid
@@ -253,17 +327,18 @@ class VaultSession(EncryptedSession):
                 # The triggers refused our key id: another process rotated. Reseal and retry
                 # (the key may already have been reloaded while the items were being stored).
                 if GUARD_MESSAGE not in str(exc):
-                    raise translate(exc, self._db_path) from exc
+                    raise sdk_error(exc, self._db_path) from exc
                 await asyncio.to_thread(self._refresh)
                 if self._kid == sealed_with:
-                    raise translate(exc, self._db_path) from exc
+                    raise sdk_error(exc, self._db_path) from exc
             except sqlite3.OperationalError as exc:
                 if is_busy(exc) and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                     continue
-                raise translate(exc, self._db_path) from exc
+                raise sdk_error(exc, self._db_path) from exc
 
     async def pop_item(self, *, wrapper: Any = None) -> Any:
+        self._refuse_backup("an agent session's pop_item")
         underlying: VaultSQLiteSession = self.underlying_session  # type: ignore[assignment]
         underlying.deleted = False
         try:
@@ -275,7 +350,7 @@ class VaultSession(EncryptedSession):
                     if not await asyncio.to_thread(self._refresh):
                         raise
                 except sqlite3.Error as exc:
-                    raise translate(exc, self._db_path) from exc
+                    raise sdk_error(exc, self._db_path) from exc
         finally:
             if underlying.deleted:
                 # Like `memvault pop`: the popped ciphertext must not stay readable in
@@ -289,6 +364,11 @@ class VaultSession(EncryptedSession):
             await asyncio.to_thread(self._vault.clear, self.session_id)
         except UnknownSession:
             return  # nothing stored under this id: already empty, as the SDK treats it
+        except VaultError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, sqlite3.Error):  # Vault.clear translated an SQLite failure
+                raise _also_sqlite(exc, cause) from cause
+            raise
 
     async def _get_compaction_snapshot(self, limit: int) -> Any:
         # The SDK computes `now - ttl`, which fails for a vault that never expires: for the

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import files, keyjournal, paths, testhooks
+from . import backupmark, files, keyjournal, paths, restorestate, testhooks
 from .db import (
     SCRUB_WAIT,
     check_header,
@@ -44,10 +44,17 @@ class _Damaged(Exception):
 
 _RAW_VAULT_ID = re.compile(rb"vault_id(mv-[0-9a-f]{24})")
 _RAW_KID = re.compile(rb"(mv1:[0-9a-f]{16})")
+_RAW_BACKUP_OF = re.compile(rb"backup_of(mv-[0-9a-f]{24})")
+# What a backup's shred says of the keys it leaves (vault.backupmark).
+KEYS_KEPT = (
+    "kept: this file was a backup of vault {}, whose key versions the live vault (and "
+    "its other backups) still use; `memvault revoke` or `shred` of the live vault destroys them"
+)
 
 
-def _raw_ids(path: Path) -> tuple[set[str], set[str]]:
-    """Vault ids and key ids found in the raw bytes of the file and its side files.
+def _raw_ids(path: Path) -> tuple[set[str], set[str], set[str]]:
+    """Vault ids, key ids and backup marks (the vault ids of `backup_of`) found in the
+    raw bytes of the file and its side files.
 
     A `memvault_meta` row keeps its key and value side by side in a page, so the
     vault id survives damage to other pages (page 1 included); every key id the
@@ -55,6 +62,7 @@ def _raw_ids(path: Path) -> tuple[set[str], set[str]]:
     """
     ids: set[str] = set()
     kids: set[str] = set()
+    backup_of: set[str] = set()
     for p in paths.sidecars(path):
         try:
             if not stat.S_ISREG(os.lstat(p).st_mode):
@@ -68,13 +76,14 @@ def _raw_ids(path: Path) -> tuple[set[str], set[str]]:
                 data = tail + block
                 ids.update(m.decode() for m in _RAW_VAULT_ID.findall(data))
                 kids.update(m.decode() for m in _RAW_KID.findall(data))
+                backup_of.update(m.decode() for m in _RAW_BACKUP_OF.findall(data))
                 tail = data[-64:]
-    return ids, kids
+    return ids, kids, backup_of
 
 
 def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
     """Destroy the keys a damaged file can still name; say so plainly when it names none."""
-    ids, kids = _raw_ids(path)
+    ids, kids, backup_of = _raw_ids(path)
     if report.get("vault_id"):
         ids.add(report["vault_id"])
     if report.get("kid"):
@@ -98,6 +107,12 @@ def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict
         return
     (vault_id,) = ids
     report["vault_id"] = vault_id
+    if vault_id in backup_of:  # a damaged backup: its keys are still the live vault's
+        report.update(backup_of=vault_id, keys_kept=KEYS_KEPT.format(vault_id))
+        report.update(key_destroyed=False, destroyed_kids=[], other_copies_kids=[])
+        report.setdefault("kid", None)
+        report["foreign_kid"] = None
+        return
     if not report.get("kid") and len(kids) == 1:
         report["kid"] = next(iter(kids))
     report.setdefault("kid", None)
@@ -179,6 +194,12 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                     conn.execute("COMMIT")
                     conn.execute("BEGIN EXCLUSIVE")
                     wrote_marker = True
+                if backupmark.is_backup(meta) and report.get("key_destroyed") is None:
+                    # A backup shares its key versions with the live vault: they stay.
+                    of = meta[backupmark.BACKUP_OF]
+                    report.update(backup_of=of, keys_kept=KEYS_KEPT.format(of))
+                    report.update(key_destroyed=False, destroyed_kids=[], other_copies_kids=[])
+                    report["foreign_kid"] = None
                 if report.get("key_destroyed") is None:
                     # The keys go first: from here on a crash leaves only unreadable
                     # ciphertext. Every version the file records: a backup restored
@@ -318,6 +339,7 @@ def shred(
     or device at a side file's name is unlinked without being followed or opened.
     """
     path = paths.resolve_db_path(db)
+    restorestate.finish(path)  # a cut-off restore leaves the vault (and no copy) behind
     header = read_header(path)
     report: dict[str, Any] = {"path": str(path), "resumed": False}
     if not header.startswith((SHRED_MAGIC, SQLITE_MAGIC)):
@@ -339,7 +361,10 @@ def shred(
             if report.get("key_destroyed") is None:
                 _destroy_keys_of_damaged(path, keystore, report)
         testhooks.failpoint("shred-after-rows")
-    stamp_fields = ("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid")
+    stamp_fields = (
+        *("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid"),
+        *("backup_of", "keys_kept"),
+    )
     stamp_bytes = (
         SHRED_MAGIC + json.dumps({k: report.get(k) for k in stamp_fields}).encode() + b"\n"
     )
@@ -363,7 +388,11 @@ def shred(
             f"could not overwrite or remove {exc.filename or path} ({exc.strerror}); the key is "
             "already destroyed; fix the cause and run `memvault shred` again"
         ) from None
-    report["files"] = done + removed
+    # A killed `export --force` of this vault may have left plaintext beside it. (Imported
+    # here: `status` and `sessions` import this module and must not pay for the export.)
+    from .export import remove_stale_exports
+
+    report["files"] = done + removed + remove_stale_exports(path.absolute().parent)
     report["at"] = utcnow()
     return report
 

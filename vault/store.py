@@ -15,15 +15,13 @@ session is opened.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from . import crypto, durations, files, keyjournal, paths, testhooks
+from . import backupmark, crypto, durations, paths, restorestate, testhooks
 from .db import (
     audit,
     check_header,
@@ -42,11 +40,8 @@ from .errors import (
     OperationFailed,
     UnknownSession,
     VaultBusy,
-    VaultError,
-    VaultExists,
 )
 from .files import Progress
-from .keyjournal import CURRENT, entry_name
 from .keys import KeyStore
 from .lifecycle import KeyLifecycle
 from .results import Cleared, Popped, Report, SessionInfo
@@ -58,11 +53,13 @@ from .schema import (
     ITEM_WINDOW_INDEX,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
+    PREVIOUS_FORMAT,
+    ROTATION_LOGGED,
     SESSIONS_TABLE,
     WINDOW_SECONDS,
+    last_rotation,
     migrate,
     needs_migration,
-    utcnow,
     window_start,
 )
 from .shred import shred, shred_target
@@ -109,82 +106,13 @@ class Vault(KeyLifecycle):
         ttl: int | None = DEFAULT_TTL,
         keystore: KeyStore | None = None,
     ) -> Vault:
-        """Create the vault file and its random master key; refuse if anything is there."""
-        path = paths.resolve_db_path(db)
-        if path.exists():
-            files.require_regular(path)  # a FIFO, device or folder: exit 3 without opening it
-            try:
-                cls.open(path, keystore)
-            except NotAVault:
-                raise VaultExists(
-                    f"{path} already exists and is not a memvault vault; memvault will not "
-                    "overwrite it (to encrypt a plaintext SQLiteSession file use `memvault "
-                    "import`)"
-                ) from None
-            except VaultError:
-                pass
-            raise VaultExists(
-                f"a vault already exists at {path}; nothing was changed "
-                "(`memvault status` describes it)"
-            )
-        # lexists: a dangling link would make SQLite create its target.
-        leftovers = [p for p in paths.sidecars(path)[1:] if os.path.lexists(p)]
-        if leftovers:
-            raise VaultExists(
-                f"{leftovers[0]} exists without its database; move it away "
-                "before creating a vault here"
-            )
-        ks = keystore or KeyStore()
-        ks.check_usable()
-        try:
-            paths.ensure_private_folder(path.parent)
-            files.write_private(path, b"")  # a new empty 0600 file, never through a link
-        except FileExistsError:
-            raise VaultExists(
-                f"a file appeared at {path} while creating the vault; nothing was changed"
-            ) from None
-        except OSError as exc:
-            raise OperationFailed(
-                f"cannot create {path} ({exc.strerror}); choose a writable "
-                "folder with --db or MEMVAULT_DB"
-            ) from None
+        """Create the vault file and its random master key; refuse if anything is there.
 
-        key = crypto.generate_key()
-        kid = crypto.key_id(key)
-        vault_id = "mv-" + secrets.token_hex(12)
-        try:
-            # The key goes in first: a crash between the two leaves an unused keyring
-            # entry, never a vault without its key.
-            ks.set(entry_name(vault_id, kid), key)
-            vault = cls(path, ks)
-            with vault.connection() as conn:
-                # Kept by the file; SQLite refuses to change it inside a transaction.
-                conn.execute("PRAGMA journal_mode = WAL")
-            with vault.write_transaction() as conn:
-                migrate(conn)
-                now = utcnow()
-                meta = {
-                    "format": FORMAT,
-                    "vault_id": vault_id,
-                    "kid": kid,
-                    "ttl_seconds": "never" if ttl is None else str(ttl),
-                    "created_at": now,
-                    "rotated_at": now,
-                }
-                conn.executemany(
-                    "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
-                )
-                keyjournal.record(conn, kid, CURRENT)
-                audit(conn, "init", kid, ttl=durations.format_duration(ttl))
-        except BaseException:
-            for p in paths.sidecars(path):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-            with contextlib.suppress(VaultError):
-                ks.delete(entry_name(vault_id, kid))
-            raise
-        vault._sealer = crypto.Sealer(key)
-        return vault
+        Atomic: a kill at any instant leaves no vault file or a whole one (vault.create).
+        """
+        from .create import create
+
+        return create(cls, db, ttl, keystore)
 
     @classmethod
     def open(
@@ -192,12 +120,13 @@ class Vault(KeyLifecycle):
     ) -> Vault:
         """Check that the path is a vault; the key is loaded only when needed."""
         path = paths.resolve_db_path(db)
+        restorestate.finish(path)  # a restore cut off: rolled back, or finished
         check_header(path)
         refuse_odd_side_files(path)
         vault = cls(path, keystore)
         with vault.connection() as conn:  # one connection for both questions
             meta = read_meta(conn, path)
-            if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
+            if meta.get("format") not in (FORMAT, PREVIOUS_FORMAT, LEGACY_FORMAT):
                 raise NotAVault(
                     f"{path} has an unknown memvault format {meta.get('format')!r}; "
                     "upgrade memvault"
@@ -384,6 +313,7 @@ class Vault(KeyLifecycle):
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)
             infos = self._count(conn, ttl, now)
+            rotated = last_rotation(meta, conn.execute(ROTATION_LOGGED).fetchone() is not None)
         files = {}
         for p in paths.sidecars(self.path):
             if p.exists():
@@ -397,9 +327,11 @@ class Vault(KeyLifecycle):
             "kid": meta["kid"],
             "ttl": durations.format_duration(ttl),
             "created_at": meta.get("created_at"),
-            "rotated_at": meta.get("rotated_at"),
+            "rotated_at": rotated,
             "scrub_pending": meta.get("scrub_pending") == "1",
             "shred_interrupted": "shred_started" in meta,
+            "backup_of": meta.get(backupmark.BACKUP_OF),  # None: the live vault, not a backup
+            "backed_up_at": meta.get(backupmark.BACKED_UP_AT),
             "keyring": None,
             "key": None,
         }
@@ -430,6 +362,7 @@ class Vault(KeyLifecycle):
         """Remove the newest `n` items; refuses if one of them does not authenticate."""
         if n <= 0:
             raise OperationFailed("the number of items to pop must be positive")
+        backupmark.refuse_writes(self, "`memvault pop`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
@@ -459,6 +392,7 @@ class Vault(KeyLifecycle):
         evidence, not history: the session is left whole, with ItemsUnreadable, unless
         `include_unreadable`; the result tells how many of those went.
         """
+        backupmark.refuse_writes(self, "`memvault clear`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)
@@ -496,6 +430,7 @@ class Vault(KeyLifecycle):
         return self.scrub()
 
     def set_ttl(self, ttl: int | None) -> None:
+        backupmark.refuse_writes(self, "`memvault ttl`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             old = read_meta(conn, self.path).get("ttl_seconds")
@@ -510,6 +445,7 @@ class Vault(KeyLifecycle):
         whatever the size of the vault. Each item is authenticated (HMAC), never
         decrypted: an expired item is deleted without its plaintext being needed.
         """
+        backupmark.refuse_writes(self, "`memvault purge`")
         sealer = self.sealer()
         deleted = kept = unreadable = 0
         with self.write_transaction() as conn:

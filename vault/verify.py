@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from . import crypto, paths
-from .db import check_header, is_damage, parse_ttl, refuse_odd_side_files
+from .db import check_header, is_damage, keep_temp_in_memory, parse_ttl, refuse_odd_side_files
 from .errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
 from .keys import KeyStore
 from .schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
@@ -245,6 +245,7 @@ def expected_triggers(applied: frozenset[str] | None = None) -> dict[str, str]:
     are then memvault's own; the schema check reports the missing migrations."""
     mem = sqlite3.connect(":memory:", isolation_level=None)
     try:
+        keep_temp_in_memory(mem)
         if applied is None:
             migrate(mem)
         else:
@@ -317,7 +318,9 @@ def _items(
             if sealer is None:
                 continue
             for row_id, sid, data in batch:
-                state = sealer.state(str(sid), data if isinstance(data, str) else "", ttl)
+                text = data if isinstance(data, str) else ""
+                # Decoded too: an item a read would skip must not pass as authenticated.
+                state = sealer.state(str(sid), text, ttl, decode=True)
                 if state is crypto.ItemState.UNREADABLE:
                     report.add(
                         "unauthenticated_items", f"item {row_id} of session {str(sid)[:60]!r}"
