@@ -57,6 +57,10 @@ class World:
             str(root / "link"),
             str(root / "dangling"),
             str(self.db),
+            # The vault's side files, as written over by a careless -o or DEST
+            str(self.db) + "-wal",
+            str(self.db) + "-shm",
+            str(root / "folder" / ".." / "vault" / "history.db-journal"),
             str(root / "bad\udcff.db"),
             str(root / "missing-dir" / "x.db"),
         ]
@@ -156,6 +160,12 @@ def command_lines(w: World) -> st.SearchStrategy[list[str]]:
         st.tuples(st.just("key"), st.just("import"), path).map(list),
         st.tuples(st.just("key"), st.just("export"), path).map(list),
         st.tuples(st.just("backup"), path).map(list),
+        st.tuples(st.just("export"), SESSIONS, st.just("-o"), path).map(list),
+        st.tuples(st.just("export"), st.just("--all"), st.just("-o"), path, st.just("--force")).map(
+            list
+        ),
+        st.tuples(st.just("key"), st.just("export"), st.just("--force"), path).map(list),
+        st.tuples(st.just("shred"), st.just("--receipt"), path).map(list),
         st.just(["verify"]),
         st.tuples(st.just("chat"), SESSIONS).map(list),
         st.just(["demo", "--json"]),
@@ -164,6 +174,21 @@ def command_lines(w: World) -> st.SearchStrategy[list[str]]:
         st.just(["key"]),
         st.just(["bogus"]),
     )
+    # One example in four writes a file at a spelling of the vault or a side file.
+    vault_file = st.sampled_from([p for p in w.paths if "history.db" in p])
+    writes = st.tuples(
+        st.sampled_from(
+            [
+                ["export", "--all", "--force", "-o"],
+                ["export", "s1", "-o"],
+                ["backup"],
+                ["shred", "--receipt"],
+                ["import", "--shred-source"],
+            ]
+        ),
+        vault_file,
+    ).map(lambda t: [*t[0], t[1]])
+    commands = st.one_of(commands, commands, commands, writes)
     return st.tuples(globals_, commands, globals_).map(lambda t: [*t[0], *t[1], *t[2]])
 
 
@@ -214,6 +239,10 @@ def test_generated_command_lines_in_process(world: World, data: st.DataObject) -
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise AssertionError((args, env)) from result.exception
     check(result.exit_code, result.stdout, result.stderr, (args, env))
+    # No command here destroys the vault on purpose (no --yes to shred or revoke), and
+    # none may write over it: export -o, key export --force, backup, shred --receipt.
+    with open(world.db, "rb") as fh:
+        assert fh.read(16) == b"SQLite format 3\x00", (args, env)
 
 
 def _encodable(args: list[str], env: dict[str, str | None]) -> bool:

@@ -187,19 +187,51 @@ def test_json_summary_and_json_refused_with_stdout(
     assert s.json()["exit_code"] == 2  # the failure document is all stdout holds
 
 
-def test_an_existing_file_is_replaced_only_with_force(
+def test_an_earlier_export_is_replaced_only_with_force(
     history: dict[str, list[Any]], tmp_path: Path
 ) -> None:
     out = tmp_path / "old.jsonl"
-    out.write_text("keep me\n")
+    assert run_cli("export", "chat-1", "-o", str(out)).code == 0
+    before = out.read_bytes()
     out.chmod(0o644)
     r = run_cli("export", "chat-2", "-o", str(out))
     one_line(r, 2, "already exists", "--force")
-    assert out.read_text() == "keep me\n" and WARNING not in r.err
+    assert out.read_bytes() == before and WARNING not in r.err
     r = run_cli("export", "chat-2", "-o", str(out), "--force")
     assert r.code == 0, r
     assert [x["item"] for x in jsonl(out)] == history["chat-2"]
     assert stat.S_IMODE(out.stat().st_mode) == 0o600  # the old mode did not carry over
+    md = tmp_path / "old.md"
+    assert run_cli("export", "chat-1", "--format", "md", "-o", str(md)).code == 0
+    assert run_cli("export", "chat-2", "-o", str(md), "--force").code == 0
+    assert [x["item"] for x in jsonl(md)] == history["chat-2"]
+
+
+def test_force_never_replaces_a_file_that_is_not_an_export(
+    history: dict[str, list[Any]], tmp_path: Path
+) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me\n")
+    one_line(
+        run_cli("export", "chat-2", "-o", str(notes), "--force"),
+        2,
+        "not a memvault export",
+        "--force replaces only",
+    )
+    assert notes.read_text() == "keep me\n"
+    other = tmp_path / "app.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    before = other.read_bytes()
+    one_line(run_cli("export", "--all", "-o", str(other), "--force"), 2, "a SQLite database")
+    assert other.read_bytes() == before
+    # Its side file would be taken for the database's own journal.
+    one_line(run_cli("export", "--all", "-o", f"{other}-wal"), 2, "side file of the SQLite")
+    assert not Path(f"{other}-wal").exists()
+    empty = tmp_path / "empty.jsonl"  # what an export of no item leaves
+    empty.write_bytes(b"")
+    assert run_cli("export", "chat-2", "-o", str(empty), "--force").code == 0
 
 
 @pytest.mark.parametrize("force", [[], ["--force"]])
@@ -308,10 +340,13 @@ def test_a_failure_half_way_removes_the_new_file_and_keeps_the_old(
         run_export(v, plan_export(v, [], True, new))
     assert not new.exists()
     old = tmp_path / "old.jsonl"
-    old.write_text("previous export\n")
+    previous = (
+        '{"session_id": "a", "position": 1, "timestamp": null, "expired": false, "item": 1}\n'
+    )
+    old.write_text(previous)
     with pytest.raises(OperationFailed):
         run_export(v, plan_export(v, [], True, old, force=True))
-    assert old.read_text() == "previous export\n"
+    assert old.read_text() == previous
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".memvault-")) == []
 
 

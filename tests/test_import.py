@@ -252,7 +252,7 @@ def test_refuses_what_is_not_a_plaintext_sqlitesession_file(
     assert r.code == 1 and "not a SQLiteSession file" in one_line_error(r)
 
     r = run_cli("import", str(vault_db))
-    assert r.code == 1 and "vault itself" in one_line_error(r)
+    assert r.code == 2 and "the vault's own file" in one_line_error(r)
 
     from vault import Vault
     from vault.store import shred

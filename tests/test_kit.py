@@ -339,8 +339,13 @@ def test_export_refusals(vault: Any, tmp_path: Path) -> None:
     kit = tmp_path / "kit.json"
     kit.write_text("precious\n")
     r = export(kit)
-    assert r.code == 1 and "already exists" in one_line_error(r)
+    assert r.code == 2 and "already exists" in one_line_error(r)
     assert kit.read_text() == "precious\n"
+    r = run_cli("key", "export", str(kit), "--force", "--passphrase-stdin", input=PASS + "\n")
+    assert r.code == 2 and "not a recovery kit" in one_line_error(r)
+    assert kit.read_text() == "precious\n"
+    kit.unlink()
+    assert export(kit).code == 0
 
     r = export(tmp_path / "empty.json", passphrase="")
     assert r.code == 2 and "passphrase is empty" in one_line_error(r)

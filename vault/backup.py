@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import backupmark, files, paths, retention, testhooks
+from . import backupmark, files, paths, retention, targets, testhooks
 from .crypto import Sealer
 from .db import connect, is_busy, is_damage, set_meta, sqlite_errors
 from .errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
@@ -68,14 +68,15 @@ class BackupResult:
         return asdict(self)
 
 
-def check_destination(dest: str | os.PathLike[str]) -> Path:
-    """Refuse (exit 2) a DEST that exists in any form, or whose side files exist.
+def check_destination(dest: str | os.PathLike[str], vault_path: Path | None) -> Path:
+    """Refuse (exit 2) a DEST that exists in any form, or whose side files exist, or
+    that is the vault at `vault_path` or one of its side files (by any name).
 
     SQLite would write through a `-wal` or `-journal` link left beside DEST.
     """
     # SQLite takes the name as text: bytes that are not UTF-8 are refused up front.
     paths.require_text_path(dest, "the backup path")
-    target = files.check_new_file(dest, "backup")
+    target = targets.check_target(dest, "backup", vault_path)
     for side in paths.sidecars(target)[1:]:
         if os.path.lexists(side):
             raise BadInput(
@@ -141,7 +142,7 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
             f"a shred of {vault.path} was interrupted; run `memvault shred` again to finish "
             "it; nothing was written"
         )
-    target = check_destination(dest)
+    target = check_destination(dest, vault.path)
     rec, (kid, vault_id, sessions, items) = recorded_copy(
         vault,
         target,

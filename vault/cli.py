@@ -196,6 +196,17 @@ def postgres_url() -> str | None:
     return named_url(state().db)
 
 
+def refuse_vault_target(path: str | None, why: str) -> None:
+    """Before the vault is opened (exit 2): a FILE argument that is the vault file or one
+    of its side files. Opening could fail first, on the very link that names it."""
+    if not path or path == "-" or postgres_url() is not None:
+        return
+    from .paths import resolve_db_path
+    from .targets import refuse_vault_file
+
+    refuse_vault_file(path, resolve_db_path(state().db), why)
+
+
 def open_any() -> Vault | PgVault:
     """The vault, in a file or (for the commands that support it) in PostgreSQL."""
     url = postgres_url()

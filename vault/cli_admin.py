@@ -209,15 +209,16 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     entries go: run `memvault revoke --yes` on every other host first.
 
     --receipt FILE must name a new file in an existing, writable folder: an
-    existing file or link is never replaced. It is checked before anything is
+    existing file or link is never replaced, and FILE is never the vault or one
+    of its -wal, -shm, -journal files, by any name. It is checked before anything is
     destroyed (exit 2 if unusable).
 
     \b
     Example:
       memvault shred --yes --receipt shred-receipt.json
     """
-    from .files import check_new_file
     from .shred import regular_files, shred_target
+    from .targets import check_target
 
     if postgres_url() is not None:
         _shred_postgres(yes, receipt)
@@ -225,7 +226,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     target = shred_target(state().db)  # no vault, nothing asked (exit 3)
     path = target["path"]
     if receipt is not None:
-        check_new_file(receipt, "receipt")
+        check_target(receipt, "receipt", path)
     named = f" {target['vault_id']}" if target["vault_id"] else ""
     confirm(f"Destroy the vault{named} at {path}, its key and its files?", yes)
     size = sum(n for _, n in regular_files(path))
@@ -243,11 +244,11 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
 
 def _shred_postgres(yes: bool, receipt: str | None) -> None:
     """`shred` on a URL: key, rows, tables; no files to overwrite (vault.pgadmin.shred)."""
-    from .files import check_new_file
+    from .targets import check_target
 
     vault = open_any()  # no vault: exit 3 before anyone is asked
     if receipt is not None:
-        check_new_file(receipt, "receipt")
+        check_target(receipt, "receipt", None)
     confirm(f"Destroy the vault {vault.vault_id} at {vault.path}, its key and its tables?", yes)
     r = vault.shred()
     r["other_hosts"] = (

@@ -20,6 +20,7 @@ from .cli import (
     postgres_url,
     progress,
     refuse_option,
+    refuse_vault_target,
     say,
     state,
 )
@@ -103,7 +104,8 @@ def import_cmd(
     Refuses, importing nothing: a file that is not a plaintext SQLiteSession
     file (exit 1), a session id already in the vault (exit 1), a missing file
     (exit 2), and with --shred-source a source still open elsewhere (exit 5)
-    or holding tables or sessions the import would not carry over (exit 1).
+    or holding tables or sessions the import would not carry over (exit 1). The
+    vault itself, or its -wal, -shm or -journal, by any name, is refused (exit 2).
 
     \b
     Example:
@@ -113,7 +115,9 @@ def import_cmd(
       memvault import carnet.db --shred-source --yes
     """
     from .importer import Importer
+    from .targets import NOT_A_SOURCE
 
+    refuse_vault_target(plain_db, NOT_A_SOURCE)
     url = postgres_url()
     importer: Importer
     if url is not None:

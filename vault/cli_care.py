@@ -17,6 +17,7 @@ from .cli import (
     plural,
     postgres_url,
     refuse_option,
+    refuse_vault_target,
     say,
     state,
 )
@@ -39,11 +40,12 @@ def backup_cmd(dest: str) -> None:
     A vault whose key is missing from this keyring is still backed up, with a
     warning (a recovery kit may hold the key); a revoked vault is refused
     (exit 4). DEST must not exist: an existing file, link or FIFO is refused
-    (exit 2) and left untouched. The copy is marked as a backup: commands that
-    write (rotate, purge, clear, pop, ttl, import, revoke, an agent's session)
-    refuse it; `memvault restore DEST` makes it the live vault again.
-    `memvault --db DEST shred` destroys the copy but keeps the key versions it
-    shares with the live vault.
+    (exit 2) and left untouched, and so is the vault itself or its -wal, -shm
+    or -journal, by any name (a link, a relative path). The copy is marked as a
+    backup: commands that write (rotate, purge, clear, pop, ttl, import, revoke,
+    an agent's session) refuse it; `memvault restore DEST` makes it the live
+    vault again. `memvault --db DEST shred` destroys the copy but keeps the key
+    versions it shares with the live vault.
 
     On a PostgreSQL vault (--db URL), DEST is a new vault file (SQLite) holding
     one snapshot of it, rows as they are, opened with the same keyring entry;
@@ -54,6 +56,9 @@ def backup_cmd(dest: str) -> None:
       memvault backup ~/backups/history-2026-11-30.db
       memvault --json backup /media/usb/history.db
     """
+    from .targets import over_vault
+
+    refuse_vault_target(dest, over_vault("backup"))
     url = postgres_url()
     if url is not None:
         from .pg import PgVault

@@ -9,7 +9,18 @@ import sys
 
 import click
 
-from .cli import SESSION, cli, common, emit, open_any, plural, refuse_option, say, state
+from .cli import (
+    SESSION,
+    cli,
+    common,
+    emit,
+    open_any,
+    plural,
+    refuse_option,
+    refuse_vault_target,
+    say,
+    state,
+)
 from .errors import VaultError
 
 # vault.export's FORMATS, spelled here so that loading the CLI does not import the
@@ -50,7 +61,9 @@ def _unreadable(n: int, session_word: str, what: str) -> VaultError:
     metavar="FILE",
     help="A new file (mode 0600), or - for stdout.",
 )
-@click.option("--force", is_flag=True, help="Replace FILE if it is an existing regular file.")
+@click.option(
+    "--force", is_flag=True, help="Replace FILE if it is an earlier export (or an empty file)."
+)
 @click.option("--include-expired", is_flag=True, help="Also export items past the TTL.")
 @common
 def export_cmd(
@@ -69,8 +82,11 @@ def export_cmd(
     section per session, tool calls and outputs shortened.
 
     FILE is created mode 0600 and never written through a symbolic link; an
-    existing FILE is refused unless --force (a link, FIFO or folder always is:
-    exit 2). Items past the TTL are left out unless --include-expired. Items
+    existing FILE is refused unless --force, which replaces only an earlier
+    export (a file starting with "# memvault export" or with a JSONL record of
+    this command) or an empty file. A link, FIFO, folder, SQLite database, or
+    the vault or its -wal, -shm, -journal (by any name) is always refused:
+    exit 2. Items past the TTL are left out unless --include-expired. Items
     that fail authentication are never written: they are counted, and the
     command then exits 1. A line on stderr always says the output is plaintext.
     With -o -, the export goes to stdout and --json is refused.
@@ -86,7 +102,9 @@ def export_cmd(
             "--json", "export -o -", "stdout carries the export; write to a file for the summary"
         )
     from .export import plan_export, run_export
+    from .targets import over_vault
 
+    refuse_vault_target(None if to_stdout else output, over_vault("export"))
     vault = open_any()
     plan = plan_export(
         vault,

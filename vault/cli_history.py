@@ -127,7 +127,7 @@ def status() -> None:
                 "is running, `memvault rotate` finishes it"
             )
         if st.get("backup_of"):
-            click.echo(
+            say(
                 f"backup     of vault {st['backup_of']}, made {st['backed_up_at']}: commands "
                 "that write refuse it; `memvault restore` makes it the live vault"
             )

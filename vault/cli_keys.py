@@ -12,7 +12,7 @@ from collections.abc import Callable
 import click
 
 from . import files
-from .cli import PATH, F, cli, common, confirm, emit, open_any, say
+from .cli import PATH, F, cli, common, confirm, emit, open_any, refuse_vault_target, say
 from .errors import BadInput, Interrupted
 
 
@@ -123,7 +123,7 @@ def read_passphrase_file(path: str) -> str:
     stays silent for PIPE_SILENCE_SECONDS. Devices and sockets are refused without
     being opened. Warns when others may read the file.
     """
-    where = f"the passphrase file {path}"
+    where = f"the passphrase file {files.shown(path)}"
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -240,7 +240,7 @@ def one_passphrase(data: bytes, where: str) -> str:
 
 @key_group.command("export")
 @click.argument("file", metavar="FILE", type=PATH)
-@click.option("--force", is_flag=True, help="Replace FILE if it exists.")
+@click.option("--force", is_flag=True, help="Replace FILE if it is a recovery kit of this vault.")
 @passphrase_options
 @common
 def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_stdin: bool) -> None:
@@ -255,7 +255,10 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
     --passphrase-stdin (one line; one trailing newline is removed, nothing else).
     A pipe is a fine FILE: `<(pass show memvault)` never leaves the passphrase on
     disk. The key and the passphrase are never printed. Refuses an existing FILE
-    unless --force. On a PostgreSQL vault, refuses (exit 5) while a rotation is
+    unless --force, which replaces only a recovery kit of this same vault (its
+    format and vault id say so), never another file. FILE is never the vault
+    or one of its -wal, -shm, -journal files, nor a link to them (exit 2, with
+    --force too). On a PostgreSQL vault, refuses (exit 5) while a rotation is
     unfinished: the kit's one key would not open the rows not yet moved.
 
     \b
@@ -265,11 +268,15 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
       printf %s "$PASS" | memvault key export --passphrase-stdin kit.json
     """
     from .kit import SHORT_PASSPHRASE, check_passphrase
+    from .kitfile import check_kit_target
     from .kitops import export_kit
+    from .targets import over_vault
 
     ask = passphrase_source(passphrase_file, passphrase_stdin)
+    refuse_vault_target(file, over_vault("recovery kit"))
     vault = open_any()
     vault.sealer()  # a working key, before asking anything
+    check_kit_target(vault, file, force)  # and a usable FILE
     passphrase = ask(True)
     check_passphrase(passphrase)
     if len(passphrase) < SHORT_PASSPHRASE:

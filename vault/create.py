@@ -22,7 +22,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import crypto, durations, files, keyjournal, paths, testhooks
+from . import crypto, durations, files, keyjournal, paths, targets, testhooks
 from .db import audit
 from .errors import NotAVault, OperationFailed, VaultError, VaultExists
 from .keyjournal import CURRENT, entry_name
@@ -105,6 +105,7 @@ def create(
             f"a vault already exists at {path}; nothing was changed "
             "(`memvault status` describes it)"
         )
+    targets.refuse_side_file(path, "new vault")  # SQLite would delete it at X's next open
     # lexists: a dangling link would make SQLite create its target.
     leftovers = [p for p in paths.sidecars(path)[1:] if os.path.lexists(p)]
     if leftovers:

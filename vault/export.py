@@ -17,12 +17,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from . import crypto, files
+from . import crypto, files, targets
 from .crypto import ItemState
 from .errors import BadInput, OperationFailed, UnknownSession
 from .textsafe import escape_line, escape_text
@@ -33,6 +34,15 @@ TEMP_TAG = "export"  # `--force` writes `.memvault-export-*` beside the target, 
 _CHUNK = 1 << 16  # bytes gathered before each write
 _ARGS_SHOWN = 120  # characters of a tool call's arguments in the Markdown export
 _OUTPUT_SHOWN = 300  # characters of a tool's output in the Markdown export
+# How an earlier export starts, so that --force knows it may replace the file: the
+# Markdown title, or a JSONL record as `_render` writes it (json.dumps keeps the keys'
+# order). An export with no item is an empty file.
+MD_TITLE = "# memvault export\n"
+_JSONL_START = re.compile(
+    r'\{"session_id": "(?:[^"\\]|\\.)*", "position": [0-9]+, "timestamp": (?:null|"[^"]*"), '
+    r'"expired": (?:true|false), "item": '
+)
+FORCE_REPLACES = "an earlier memvault export (or an empty file)"
 
 
 # --------------------------------------------------------------------------
@@ -208,10 +218,26 @@ def plan_export(
         raise BadInput("give either session ids or --all, not both")
     target = None
     if path is not None:
-        target = files.check_new_file(path, "export", force_flag="--force", replace=force)
+        target = targets.check_target(
+            path,
+            "export",
+            targets.vault_path_of(vault),
+            force_flag="--force",
+            replace=force,
+            recognise=recognise_export,
+            kind=FORCE_REPLACES,
+        )
     vault.sealer()  # a missing or revoked key fails here, before any file exists
     sessions = select_sessions(vault, session_ids, all_sessions)
     return ExportPlan(sessions, target, fmt, force, include_expired)
+
+
+def recognise_export(head: bytes) -> str | None:
+    """None when `head` starts an export this module wrote (or is empty), else what it is."""
+    text = head.decode("utf-8", "ignore")
+    if not head or text.startswith(MD_TITLE) or _JSONL_START.match(text):
+        return None
+    return "not a memvault export"
 
 
 def run_export(
@@ -280,7 +306,7 @@ def _render(
 ) -> Iterator[str]:
     md = plan.format == "md"
     if md:
-        yield _MD_TITLE + "\nDecrypted history, in plaintext: keep this file private.\n"
+        yield MD_TITLE + "\nDecrypted history, in plaintext: keep this file private.\n"
     for sid in plan.sessions:
         result.sessions.append(sid)
         if md:

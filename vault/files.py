@@ -126,6 +126,46 @@ def odd_entries(paths: list[Path]) -> list[tuple[Path, str]]:
     return out
 
 
+# Longer than this, a path in a message is cut: a 5,000-character name is one line still.
+_SHOWN_CHARS = 120
+
+
+def shown(path: str | os.PathLike[str]) -> str:
+    """`path` for a message: whole when short, else its start and its length."""
+    text = str(path)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[: _SHOWN_CHARS // 2]}... ({len(text)} characters)"
+
+
+def refuse_too_long(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse (exit 2) a path the OS cannot take as a name (ENAMETOOLONG).
+
+    Asked once, up front: otherwise every later `stat` or `open` of it raises OSError.
+    """
+    try:
+        os.lstat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise BadInput(
+                f"{what} {shown(path)} is longer than this system allows for a file name; "
+                "give a shorter path; nothing was changed"
+            ) from None
+    except ValueError:  # a NUL byte: the caller's own checks name it
+        pass
+
+
+def read_head(path: Path, size: int) -> bytes:
+    """The first `size` bytes of a regular file, never through a link or a FIFO."""
+    fd = os.open(path, os.O_RDONLY | NO_FOLLOW | getattr(os, "O_BINARY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
 def check_new_file(
     path: str | os.PathLike[str], what: str, force_flag: str | None = None, replace: bool = False
 ) -> Path:
@@ -144,7 +184,7 @@ def check_new_file(
     except FileNotFoundError:
         mode = None
     except OSError as exc:
-        raise BadInput(f"cannot use {target} for the {what} ({exc.strerror})") from None
+        raise BadInput(f"cannot use {shown(target)} for the {what} ({exc.strerror})") from None
     if mode is not None and not (stat.S_ISREG(mode) and replace and force_flag is not None):
         if stat.S_ISREG(mode) and force_flag is not None:
             raise BadInput(

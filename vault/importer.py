@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import backupmark, crypto, files, paths, source_shred, testhooks
+from . import backupmark, crypto, files, paths, source_shred, targets, testhooks
 from .db import audit
 from .errors import BadInput, OperationFailed, UnknownSession
 from .files import Progress
@@ -123,12 +123,11 @@ class Importer:
     def _check_file(self) -> None:
         src = self.source
         paths.require_text_path(src, "the source path")
+        targets.refuse_vault_file(src, targets.vault_path_of(self.vault), targets.NOT_A_SOURCE)
         if not src.exists():
             raise BadInput(f"no file at {src}; give the path of a plaintext SQLiteSession file")
         if src.is_dir():
             raise BadInput(f"{src} is a folder; give the path of a SQLiteSession database file")
-        if src == self.vault.path:
-            raise OperationFailed(f"{src} is the vault itself; give a plaintext SQLiteSession file")
         kind = files.special(src)
         if kind:  # a FIFO would block the read below for ever
             raise BadInput(f"{src} is a {kind}; give the path of a SQLiteSession database file")

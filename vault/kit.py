@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import os
 import secrets
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +44,11 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from . import crypto, files
 from .errors import BadInput, OperationFailed
+from .kitfile import KIT_FORMAT
+from .kitfile import check_kit_target as check_kit_target  # re-exported
+from .kitfile import write_kit_file as write_kit_file  # re-exported
 from .schema import utcnow
 
-KIT_FORMAT = "memvault-recovery-kit"
 KIT_VERSION = 2
 KIT_VERSIONS = (1, 2)  # what `load` reads
 MAX_KIDS = 64  # far more versions than a vault keeps
@@ -201,6 +201,7 @@ def seal(
 def load(path: str | os.PathLike[str]) -> Kit:
     """Parse a kit file; OperationFailed (exit 1) when it is not a well-formed kit."""
     p = Path(path)
+    files.refuse_too_long(p, "the recovery kit path")
     kind = files.special(p)
     if kind:  # reading a FIFO would wait for a writer for ever
         raise BadInput(f"{p} is a {kind}; give the path of the recovery kit file")
@@ -295,26 +296,3 @@ def check_kdf_cost(n: int, r: int, p: int, path: Path) -> None:
             f"{MAX_KDF_WORK // ours} times); memvault never writes such a kit, so it was "
             "refused before deriving any key; nothing was changed"
         )
-
-
-def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False) -> Path:
-    """Create `path` 0600 with `text`, fsynced; never follows or clobbers an existing file
-    unless `force`, and then replaces it atomically (a new 0600 file renamed over it)."""
-    target = Path(path)
-    if target.is_dir():
-        raise BadInput(f"{target} is a folder; give a file name for the recovery kit")
-    with contextlib.suppress(OSError):
-        mode = os.lstat(target).st_mode
-        if force and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-            # --force replaces an old kit, never a FIFO or a device such as /dev/null
-            raise BadInput(f"{target} is a {files.kind(mode)}; give a file name for the kit")
-    try:
-        return files.write_private(target, text.encode("utf-8"), replace=force)
-    except FileExistsError:
-        raise OperationFailed(
-            f"{target} already exists; choose another file name, or pass --force to replace it"
-        ) from None
-    except OSError as exc:
-        raise OperationFailed(
-            f"cannot write {target} ({exc.strerror}); no kit was written"
-        ) from None

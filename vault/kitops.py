@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from . import backupmark, crypto
 from .errors import KeyMismatch, KeyProblem, KeyRevoked, VaultBusy, VaultError
 from .keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
-from .kit import KIT_VERSION, Kit, check_passphrase, load, seal, write_kit_file
+from .kit import KIT_VERSION, Kit, check_passphrase, load, seal
+from .kitfile import check_kit_target, write_kit_file
 from .store import Vault
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ def export_kit(
             f"a key rotation of {vault.path} is under way (or was cut off); wait for it, or "
             "run `memvault rotate` to finish it, then export the kit; nothing was written"
         )
+    check_kit_target(vault, path, force)
     vault_id = meta["vault_id"]
     others: dict[str, str] = {}
     missing: list[str] = []

@@ -88,11 +88,12 @@ def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
 
 
 def require_text_path(path: str | os.PathLike[str], what: str) -> None:
-    """Refuse (exit 2) a path holding bytes that are not UTF-8.
+    """Refuse (exit 2) a path holding bytes that are not UTF-8, or too long for the OS.
 
     Python hands such bytes over as lone surrogates; SQLite's URI and every message
     that names the file need text, so they would fail half-way instead.
     """
+    files.refuse_too_long(path, what)
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:

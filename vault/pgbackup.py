@@ -39,7 +39,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     """
     meta = vault.meta()
     _refuse(vault, meta)
-    target = file_backup.check_destination(dest)
+    target = file_backup.check_destination(dest, None)
     # Recorded in the vault first, and marked, as a file vault's backup is
     # (vault.backup.recorded_copy, vault.backupmark).
     rec, (kid, vault_id, sessions, items) = file_backup.recorded_copy(
