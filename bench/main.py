@@ -146,7 +146,3 @@ def main(argv: list[str] | None = None) -> int:
     args.json_out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {args.json_out} ({info['seconds']} s)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
