@@ -16,7 +16,7 @@ import click
 
 from . import files, paths
 from .cli import cli, common, hide_options, refuse_option, state
-from .db import keep_temp_in_memory
+from .db import peek
 from .schema import SESSIONS_TABLE
 from .textsafe import escape_line
 
@@ -85,15 +85,14 @@ def complete_session_ids(db: str | None, incomplete: str) -> list[CompletionItem
 def session_ids(db: str | None, prefix: str = "") -> list[str]:
     """Session ids of the vault at `db` (resolved as every command does), read-only.
 
-    Never creates a file: a missing vault is [] (`files.peek` says how it reads
+    Never creates a file: a missing vault is [] (`vault.db.peek` says how it reads
     without writing); a read that fails is [] too; completion never writes a row.
     """
     path = paths.resolve_db_path(db)
     if not path.is_file() or files.odd_entries(paths.sidecars(path)):
         return []
-    conn = files.peek(path, COMPLETION_TIMEOUT)
+    conn = peek(path, COMPLETION_TIMEOUT)
     try:
-        keep_temp_in_memory(conn)
         rows = conn.execute(
             f"SELECT session_id FROM {SESSIONS_TABLE} WHERE substr(session_id, 1, ?) = ? "
             "ORDER BY session_id LIMIT ?",

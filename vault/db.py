@@ -65,6 +65,23 @@ def keep_temp_in_memory(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA temp_store = MEMORY")
 
 
+def peek(path: Path, timeout: float) -> sqlite3.Connection:
+    """A read-only SQLite connection to a database file that never creates one.
+
+    SQLite's mode=ro cannot create the database, but does create a WAL file's `-wal`
+    and `-shm` for a reader when they are missing (a file closed cleanly has none);
+    then the file is opened `immutable`: with no `-wal`, every committed row is in
+    the file itself. A writer starting between the check and the read may make the
+    read fail or, at worst, leave the two files a reader creates.
+    """
+    wal, shm = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))
+    live = os.path.exists(wal) and os.path.exists(shm)
+    uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if live else "?mode=ro&immutable=1")
+    conn = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
+    keep_temp_in_memory(conn)
+    return conn
+
+
 def configure(conn: sqlite3.Connection, timeout: float) -> None:
     """Pragmas every vault connection uses (the SDK session's connections too)."""
     conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")

@@ -15,9 +15,7 @@ import errno
 import os
 import re
 import secrets
-import sqlite3
 import stat
-import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -440,18 +438,3 @@ def destroy(
     size = overwrite(path, header, progress) if stat.S_ISREG(mode) else None
     os.unlink(path)
     return {"name": path.name, "size": size or 0, "kind": kind(mode)}
-
-
-def peek(path: Path, timeout: float) -> sqlite3.Connection:
-    """A read-only SQLite connection to a database file that never creates one.
-
-    SQLite's mode=ro cannot create the database, but does create a WAL file's `-wal`
-    and `-shm` for a reader when they are missing (a file closed cleanly has none);
-    then the file is opened `immutable`: with no `-wal`, every committed row is in
-    the file itself. A writer starting between the check and the read may make the
-    read fail or, at worst, leave the two files a reader creates.
-    """
-    wal, shm = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))
-    live = os.path.exists(wal) and os.path.exists(shm)
-    uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if live else "?mode=ro&immutable=1")
-    return sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import files
+from . import db, files
 from .backupmark import BACKUP_ID  # the backup's own name; its record holds the same
 from .keyjournal import CURRENT, DESTROYED, RETAINED
 from .schema import SQLITE_MAGIC, utcnow
@@ -73,7 +73,7 @@ def backup_state(record: BackupRecord) -> str:
         with open(path, "rb") as fh:
             if fh.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
                 return REPLACED
-        conn = files.peek(path, PEEK_TIMEOUT)
+        conn = db.peek(path, PEEK_TIMEOUT)
         try:
             row = conn.execute(
                 "SELECT value FROM memvault_meta WHERE key = ?", (BACKUP_ID,)
