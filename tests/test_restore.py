@@ -101,6 +101,20 @@ def test_restore_into_an_empty_path_makes_the_vault_there(
     assert "backup_of" not in meta_of(elsewhere)
 
 
+@pytest.mark.parametrize("name", ["-journal", "-wal", "-shm", ".restore-old"])
+def test_restore_never_makes_a_vault_where_the_live_vaults_next_open_deletes_it(
+    vault: Vault, vault_db: Path, tmp_path: Path, name: str
+) -> None:
+    # SQLite takes `X-journal` for X's journal (and a restore's names are tidied by X's
+    # next open): a vault restored there would be reported restored, then vanish.
+    dest = live_and_backup(vault_db, tmp_path)
+    there = vault_db.with_name(vault_db.name + name)
+    r = run_cli("--db", str(there), "restore", str(dest), "--yes")
+    assert r.code == 2 and "nothing was written" in one_line_error(r), r
+    assert not os.path.lexists(there)
+    assert contents(vault_db) == ["one", "two"]
+
+
 def test_restore_refuses_a_backup_of_another_vault(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:

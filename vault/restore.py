@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import backupmark, files, keyjournal, paths, retention, testhooks
+from . import backupmark, files, keyjournal, paths, retention, targets, testhooks
 from .backup import vacuum_copy
 from .db import SCRUB_WAIT, audit, connect, is_busy, read_meta, set_meta, sqlite_errors
 from .errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
@@ -79,6 +79,8 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
         raise BadInput(f"{src} is the live vault itself; give the backup file to restore")
     if src.absolute() in {p.absolute() for p in paths.sidecars(live)[1:] + list(state_names(live))}:
         raise BadInput(f"{src} is a side file of the vault {live}; give the backup file")
+    if not os.path.lexists(live):
+        targets.refuse_side_file(live, "restored vault")  # X's next open would delete it
     backup = Vault.open(src)
     meta = backup.meta()
     if os.path.lexists(live):
