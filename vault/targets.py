@@ -101,7 +101,16 @@ def _database_side_file(target: Path, suffixes: tuple[str, ...]) -> Path | None:
 def refuse_side_file(target: Path, what: str) -> None:
     """Refuse (exit 2) a name SQLite gives a side file of an existing database (`X-wal`
     beside the database X): opening X would take the file for its own, and reset or
-    delete it."""
+    delete it. The same for the other names something else deletes: a restore's, and
+    memvault's temporary files."""
+    if Path(target).name.startswith(files.TEMP_PREFIX):
+        # A later backup, export or init in that folder takes it for a killed writer's
+        # leftover, and destroys it.
+        raise BadInput(
+            f"{files.shown(target)}: names starting with {files.TEMP_PREFIX} are memvault's "
+            f"temporary files, which a later command deletes; give another name for the "
+            f"{what}; nothing was written"
+        )
     base = _database_side_file(target, paths.SIDECAR_SUFFIXES)
     if base is not None:
         raise BadInput(
