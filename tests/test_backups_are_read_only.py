@@ -65,6 +65,8 @@ WRITING = {
     "ttl": ["ttl", "7d"],
     "import": ["import", PLAIN],
     "revoke": ["revoke", "--yes"],
+    # Refused before the first prompt, not after the model has answered it.
+    "chat": ["chat", "s"],
 }
 
 
@@ -90,11 +92,12 @@ def test_every_writing_command_refuses_a_backup_and_changes_nothing(
     before = digest(dest)
     entries = keyring_entries(vault.vault_id)
     args = [str(tmp_path / PLAIN) if a == PLAIN else a for a in WRITING[command]]
-    r = run_cli("--db", str(dest), *args)
+    r = run_cli("--db", str(dest), *args, input="hello\n", env={"OPENAI_API_KEY": "sk-unused"})
     assert r.code == 1, r
     err = one_line_error(r)
     assert "is a backup of vault" in err and f"memvault restore {dest}" in err, err
     assert "nothing was changed" in err
+    assert "assistant>" not in r.out, r  # no conversation began
     assert digest(dest) == before
     assert keyring_entries(vault.vault_id) == entries  # a revoke destroyed nothing
     # The live vault is as it was.
