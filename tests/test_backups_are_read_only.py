@@ -197,6 +197,25 @@ def test_a_postgresql_backup_is_marked_and_refuses_writes(
     assert run_cli("--db", str(dest), "verify").code == 0
 
 
+@PG_MARKS[0]
+@PG_MARKS[1]
+def test_a_postgresql_backup_is_never_restored_into_a_file(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    # The file would share the PostgreSQL vault's keyring entries: its first rotation
+    # destroyed the key the PostgreSQL vault uses on this host.
+    dest = tmp_path / "pg-copy.db"
+    assert run_cli("--db", pg_url, "backup", str(dest)).code == 0
+    password = pg_url.split("@")[0].rsplit(":", 1)[1]
+    assert password not in meta_of(dest)["backup_from"]  # the URL, as `status` shows it
+    twin = tmp_path / "twin.db"
+    r = run_cli("--db", str(twin), "restore", str(dest), "--yes")
+    assert r.code == 1, r
+    assert "PostgreSQL" in one_line_error(r), r
+    assert not twin.exists()
+    assert run_cli("--db", pg_url, "verify").code == 0
+
+
 def test_opening_a_backup_never_deletes_a_key_the_live_vault_may_use(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:
