@@ -365,14 +365,22 @@ def default_sigint() -> None:
 
 
 def run_on_terminal(
-    args: list[str], answers: list[tuple[bytes, str]], timeout: float = 120
+    args: list[str],
+    answers: list[tuple[bytes, str]],
+    timeout: float = 120,
+    *,
+    argv: list[str] | None = None,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
-    """Run `python -m vault ARGS` on a pseudo-terminal, answering each prompt in turn."""
+    """Run `python -m vault ARGS` (or `argv`) on a pseudo-terminal, answering each prompt
+    in turn."""
+    command = argv if argv is not None else [sys.executable, "-m", "vault", *args]
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its stdin, stdout, stderr and controlling tty
         default_sigint()
-        os.chdir(ROOT)
-        os.execv(sys.executable, [sys.executable, "-m", "vault", *args])
+        os.chdir(cwd)
+        os.execve(command[0], command, os.environ if env is None else env)
     output = b""
     seen = 0
     pending = list(answers)

@@ -86,6 +86,12 @@ def test_session_ids_complete_from_a_real_vault(vault: Any, vault_db: Path) -> N
     assert values("memvault show zz") == []
 
 
+def test_ids_holding_control_characters_are_not_offered(vault: Any, vault_db: Path) -> None:
+    for sid in ("s-plain", "s-esc\x1b[2J", "s-tab\tx", "s-c1\x9bx", "s-nl\nx", "s-del\x7f"):
+        add_items(vault_db, sid, [user("hello")])
+    assert values("memvault show s-") == ["s-plain"]
+
+
 def test_session_ids_come_from_the_vault_named_on_the_line(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

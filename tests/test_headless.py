@@ -1,8 +1,8 @@
-"""The README's recipe for a server or an SSH login, run as the README gives it.
+"""The recipe for a server or an SSH login, run as docs/headless.md gives it.
 
 `scripts/memvault-headless` starts a private Secret Service for one user (GNOME
 Keyring under dbus-run-session), unlocked from a passphrase file, for one command.
-These tests take the script from README.md, run it with a temporary HOME of its own
+These tests take the script from docs/headless.md, run it with a temporary HOME of its own
 and no D-Bus session, and check that the keyring persists in that HOME from one
 D-Bus session to the next, and that a wrong passphrase is exit 4.
 """
@@ -26,6 +26,7 @@ from tests.conftest import ROOT, CLIResult
 pytestmark = pytest.mark.secret_service
 
 SECTION = "On a server or over SSH"
+PAGE = ROOT / "docs" / "headless.md"
 SCRIPT = ROOT / "scripts" / "memvault-headless"
 PASSPHRASE = "correct horse battery staple\n"
 
@@ -37,9 +38,9 @@ print(len(asyncio.run(s.get_items())))
 """
 
 
-def recipe_from_readme() -> str:
-    """The script exactly as README.md shows it."""
-    text = (ROOT / "README.md").read_text()
+def recipe_from_page() -> str:
+    """The script exactly as docs/headless.md shows it."""
+    text = PAGE.read_text()
     opening = "<summary>scripts/memvault-headless</summary>\n\n```sh\n"
     start = text.index(opening) + len(opening)
     return text[start : text.index("```\n", start)]
@@ -57,9 +58,9 @@ def home(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def headless(tmp_path: Path, home: Path) -> Headless:
-    """Run the README's script with HOME=`home`, as a user on a server would."""
+    """Run the page's script with HOME=`home`, as a user on a server would."""
     script = tmp_path / "memvault-headless"
-    script.write_text(recipe_from_readme())
+    script.write_text(recipe_from_page())
     script.chmod(0o755)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -132,13 +133,13 @@ def error_line(r: CLIResult) -> str:
     return lines[0]
 
 
-def test_readme_shows_the_script_and_the_keyring_error_points_to_it() -> None:
+def test_the_page_shows_the_script_and_the_keyring_error_points_to_it() -> None:
     from vault import keys
 
-    assert recipe_from_readme() == SCRIPT.read_text()
+    assert recipe_from_page() == SCRIPT.read_text()
     assert os.access(SCRIPT, os.X_OK)
-    assert f"\n### {SECTION}\n" in (ROOT / "README.md").read_text()
-    assert f'README.md, "{SECTION}"' in keys._SECRET_SERVICE_FIX
+    assert f"\n## {SECTION}\n" in PAGE.read_text()
+    assert "docs/headless.md" in keys._SECRET_SERVICE_FIX
 
 
 def test_the_key_persists_across_sessions_under_the_same_passphrase(

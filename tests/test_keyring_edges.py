@@ -84,7 +84,7 @@ def test_no_dbus_session_says_what_is_missing_and_how_to_start_one(
             "DBUS_SESSION_BUS_ADDRESS is not set",
             "dbus-run-session",
             "gnome-keyring-daemon --unlock",
-            'README.md, "On a server or over SSH"',
+            "docs/headless.md",
         )
     new = tmp_path / "new" / "h.db"
     one_line(run("--db", str(new), "init", unset=("DBUS_SESSION_BUS_ADDRESS",)), 4, "D-Bus")

@@ -222,7 +222,7 @@ def test_a_kit_imported_during_a_rotation_says_the_old_key_stays_until_it_ends(
     refused = run_cli("--db", pg_url, "key", "export", "--passphrase-file", str(pw), str(kit2))
     assert refused.code == 5 and not kit2.exists(), refused
     kit_of_current_key(pg_url, kit2, "correct horse battery staple")
-    # B imports the new kit now, as README's "Several hosts" tells it to once it refuses.
+    # B imports the new kit now, as docs/postgres.md's "Several hosts" tells it to once it refuses.
     r = run_cli(
         "--db", pg_url, "--json", "key", "import", "--passphrase-file", str(pw), str(kit2), env=b
     )

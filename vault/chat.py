@@ -35,6 +35,7 @@ from openai.types.responses import ResponseTextDeltaEvent
 from . import backupmark, paths, testhooks
 from .errors import BadInput, KeyProblem, UnknownSession, VaultError
 from .store import Vault
+from .textsafe import escape_line, escape_text
 
 INSTRUCTIONS = (
     "You are a helpful assistant in a terminal chat. Answer concisely. The conversation "
@@ -76,7 +77,7 @@ def last_turn_size(items: list[Any]) -> int:
 
 
 def _one_line(text: str) -> str:
-    return _SECRETISH.sub(r"\1…", " ".join(text.split()))[:300]
+    return _SECRETISH.sub(r"\1…", " ".join(escape_line(text).split()))[:300]
 
 
 class Chat:
@@ -105,7 +106,7 @@ class Chat:
         self.session: Any = None
 
     def say(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        print(escape_line(text), file=self.out, flush=True)
 
     def _read_line(self, prompt: str) -> str | None:
         if self.interactive:
@@ -200,11 +201,12 @@ class Chat:
                 if event.type == "raw_response_event" and isinstance(
                     event.data, ResponseTextDeltaEvent
                 ):
-                    self.out.write(event.data.delta)
+                    # A reply is item text: its own escape sequences never reach the terminal.
+                    self.out.write(escape_text(event.data.delta))
                     self.out.flush()
                     printed = printed or bool(event.data.delta)
             if not printed and result.final_output is not None:
-                self.out.write(str(result.final_output))
+                self.out.write(escape_text(str(result.final_output)))
             self.out.write("\n")
             self.out.flush()
         except VaultError:

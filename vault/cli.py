@@ -25,6 +25,7 @@ import click
 from . import durations
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, Interrupted, VaultBusy, VaultError
 from .store import Progress, Vault, lock_timeout
+from .textsafe import escape_line
 
 if TYPE_CHECKING:
     from click.shell_completion import CompletionItem
@@ -225,12 +226,18 @@ def emit(data: Any, human: Callable[[], None]) -> None:
         human()
 
 
+def say(*lines: str, err: bool = False) -> None:
+    """Print human lines, each escaped as one line (vault.textsafe): a value in them
+    can neither start a new line nor reach the terminal as a control sequence."""
+    click.echo("\n".join(escape_line(line) for line in lines), err=err)
+
+
 def confirm(question: str, yes: bool) -> None:
     """Ask before a destructive step. "n" is exit 1; Ctrl-C is exit 130 (Interrupted)."""
     if yes:
         return
     try:
-        answer = click.confirm(question, err=True)
+        answer = click.confirm(escape_line(question), err=True)
     except click.exceptions.Abort as exc:
         if not sys.stdin.isatty():
             click.echo(err=True)  # piped answers are not echoed: end the question's line
@@ -359,14 +366,15 @@ class VaultGroup(click.Group):
 
 
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    # Escaped first: a newline in a path or a session id shows as \x0a, not as a space.
+    return " ".join(escape_line(str(text)).split())
 
 
 def _fail(message: str, code: int, as_json: bool = False) -> None:
     if as_json:  # scripts reading stdout get the failure too
         with contextlib.suppress(OSError):
             click.echo(json.dumps({"error": message, "exit_code": code}))
-    click.echo(f"memvault: error: {message}", err=True)
+    click.echo(f"memvault: error: {escape_line(message)}", err=True)
     sys.exit(code)
 
 

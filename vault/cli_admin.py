@@ -21,6 +21,7 @@ from .cli import (
     postgres_url,
     progress,
     progress_bar,
+    say,
     state,
 )
 from .errors import OperationFailed
@@ -168,12 +169,12 @@ def revoke(yes: bool) -> None:
                 # A second host's revoke, or one finishing a revoke cut off: either way
                 # what happened is that this keyring still held the key, and now does not.
                 finished = f"; this keyring still held its key: destroyed it ({_kids(r)})"
-            click.echo(
+            say(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
                 f"`memvault shred` removes the {'rows' if _on_postgres(vault) else 'file'}" + hosts
             )
             return
-        click.echo(
+        say(
             f"revoked key {r['kid']} of vault {r['vault_id']} (destroyed: {_kids(r)}); the "
             f"{where}, unreadable; `memvault shred` removes {removes}; recovery kits are "
             "useless now" + hosts
@@ -236,7 +237,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
 
         r = shred(path, progress=bar.update if bar else None, on_total=resize if bar else None)
     failure = _write_receipt(receipt, r)
-    emit(r, lambda: click.echo(_shred_summary(r)))
+    emit(r, lambda: say(_shred_summary(r)))
     if failure:
         raise OperationFailed(failure)
 
@@ -260,12 +261,12 @@ def _shred_postgres(yes: bool, receipt: str | None) -> None:
     def human() -> None:
         key = f"destroyed ({_kids(r)})" if r.get("key_destroyed") else "already gone"
         schema = "dropped" if r["schema_dropped"] else f"kept ({r['schema_kept_because']})"
-        click.echo(
+        say(
             f"shredded {r['path']}: {r['items']} item(s) in {r['sessions']} session(s); key "
             f"{key}; tables {', '.join(r['tables_dropped'])} deleted, VACUUMed and dropped; "
-            f"schema {r['schema']} {schema}\n"
-            f"files: {r['files_note']}\n"
-            f"other hosts: {r['other_hosts']}"
+            f"schema {r['schema']} {schema}",
+            f"files: {r['files_note']}",
+            f"other hosts: {r['other_hosts']}",
         )
 
     emit(r, human)

@@ -21,9 +21,11 @@ from .cli import (
     progress,
     refuse_option,
     refuse_vault_target,
+    say,
     state,
 )
 from .errors import VaultError
+from .textsafe import escape_line, escape_text
 
 
 @cli.command()
@@ -54,7 +56,7 @@ def demo(keep: bool) -> None:
         refuse_option("--json", "demo", "it prints a narrative, not a document")
     from .demo import run_demo
 
-    ok = run_demo(keep=keep, echo=click.echo)
+    ok = run_demo(keep=keep, echo=lambda text: click.echo(escape_text(text)))
     if not ok:
         raise VaultError("the demo found a failing check (see above)")
 
@@ -148,22 +150,22 @@ def import_cmd(
             r = importer.run(progress=bar)
 
     def human() -> None:
-        click.echo(
+        say(
             f"imported {plural(r['items'], 'item')} in "
             f"{plural(len(r['sessions']), 'session')} from "
             f"{r['source']} (tables {r['tables']['sessions']}/{r['tables']['messages']}), "
             f"sealed with key {r['kid']}; counts and contents verified"
         )
         for s in r["sessions"]:
-            click.echo(f"  {s['session_id']:<30} {plural(s['items'], 'item'):>11}")
+            say(f"  {escape_line(s['session_id']):<30} {plural(s['items'], 'item'):>11}")
         for s in r["already_imported"]:  # by a killed run of the same command
-            click.echo(
-                f"  {s['session_id']:<30} {plural(s['items'], 'item'):>11}  already imported "
-                "by the interrupted run; not imported again"
+            say(
+                f"  {escape_line(s['session_id']):<30} {plural(s['items'], 'item'):>11}  "
+                "already imported by the interrupted run; not imported again"
             )
         shredded = r["source_shredded"]
         if shredded:
-            click.echo(
+            say(
                 f"destroyed the source: {plural(shredded['rows'], 'row')} deleted, then "
                 + ", ".join(f"{f['name']} ({f['size']} bytes)" for f in shredded["files"])
                 + " overwritten and removed"

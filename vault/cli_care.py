@@ -18,6 +18,7 @@ from .cli import (
     postgres_url,
     refuse_option,
     refuse_vault_target,
+    say,
     state,
 )
 from .errors import KeyProblem, OperationFailed
@@ -70,12 +71,13 @@ def backup_cmd(dest: str) -> None:
         r = backup(open_vault(), dest)
 
     def human() -> None:
-        click.echo(
-            f"backed up vault {r.vault_id} to {r.path}\n"
+        say(
+            f"backed up vault {r.vault_id} to {r.path}",
             f"  {plural(r.items, 'item')} in {plural(r.sessions, 'session')}, "
-            f"{r.size} bytes, mode {r.mode}\n"
-            f"  key id  {r.kid} (the key is not in the backup)\n"
-            "to restore it on another machine:\n" + "\n".join(f"  {step}" for step in r.restore)
+            f"{r.size} bytes, mode {r.mode}",
+            f"  key id  {r.kid} (the key is not in the backup)",
+            "to restore it on another machine:",
+            *(f"  {step}" for step in r.restore),
         )
         if url is not None:
             click.echo(
@@ -85,7 +87,7 @@ def backup_cmd(dest: str) -> None:
 
     emit(r.as_dict(), human)
     if r.key_problem:
-        click.echo(
+        say(
             f"warning: the backup is made, but this keyring cannot open it ({r.key_problem}); "
             f"it opens only with a recovery kit for key {r.kid}",
             err=True,
@@ -137,19 +139,19 @@ def verify_cmd() -> None:
     rotation = doc.get("rotation")
 
     def human() -> None:
-        click.echo(f"vault      {report.path}  ({report.vault_id or 'no vault id'})")
+        say(f"vault      {report.path}  ({report.vault_id or 'no vault id'})")
         key = report.key + (f", key id {report.kid}" if report.kid else "")
         if report.key_error:
             key = f"{report.key}: {report.key_error.message}"
-        click.echo(f"key        {key}")
+        say(f"key        {key}")
         counts = f"{plural(report.items, 'item')} in {plural(report.sessions, 'session')}"
         if report.authenticated is None:
             counts += f": not authenticated ({report.unverified_reason})"
         else:
             counts += f": {report.authenticated} authenticate ({report.expired} expired)"
-        click.echo(f"items      {counts}")
+        say(f"items      {counts}")
         if rotation:
-            click.echo(
+            say(
                 f"rotation   in progress from key {rotation['from_kid']} (rows through id "
                 f"{rotation['done_through_id']} moved; both keys read); `memvault rotate` "
                 "finishes one that was cut off"
@@ -170,7 +172,7 @@ def verify_cmd() -> None:
             click.echo(f"  {kind} ({n}): {label}")
             shown = report.details.get(kind, [])
             for detail in shown:
-                click.echo(f"      {detail}")
+                say(f"      {detail}")
             if n > len(shown):
                 click.echo(f"      ... and {n - len(shown)} more")
             click.echo(f"    what to do: {fix}")
@@ -238,15 +240,13 @@ def restore_cmd(backup: str, yes: bool) -> None:
     r = restore(plan)
 
     def human() -> None:
-        click.echo(
-            f"restored vault {r['vault_id']} at {r['path']} from {r['source']}\n"
+        say(
+            f"restored vault {r['vault_id']} at {r['path']} from {r['source']}",
             f"  {plural(r['items'], 'item')} in {plural(r['sessions'], 'session')}, key id "
-            f"{r['kid']}; checked: {', '.join(r['checked'])}\n"
-            + (
-                "  the replaced vault was overwritten and deleted"
-                if r["replaces"]
-                else "  there was no vault at that path"
-            )
+            f"{r['kid']}; checked: {', '.join(r['checked'])}",
+            "  the replaced vault was overwritten and deleted"
+            if r["replaces"]
+            else "  there was no vault at that path",
         )
 
     emit(r, human)

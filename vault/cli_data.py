@@ -18,6 +18,7 @@ from .cli import (
     plural,
     refuse_option,
     refuse_vault_target,
+    say,
     state,
 )
 from .errors import VaultError
@@ -129,7 +130,7 @@ def export_cmd(
                 f"; {plural(r.expired_skipped, 'expired item')} left out (--include-expired "
                 "adds them)"
             )
-        click.echo(line, err=to_stdout)
+        say(line, err=to_stdout)
 
     emit(r.as_dict(), human)
     if r.unreadable:
@@ -181,7 +182,7 @@ def search_cmd(
 
     def human() -> None:
         for h in found.hits:
-            click.echo(f"{h.session_id} #{h.position} {h.role}: {h.excerpt}")
+            say(f"{h.session_id} #{h.position} {h.role}: {h.excerpt}")
         if not found.hits and not found.unreadable:
             line = (
                 f"no item matches {pattern!r} ({plural(found.items, 'item')} searched in "
@@ -189,7 +190,7 @@ def search_cmd(
             )
             if found.expired_skipped:
                 line += f"; --include-expired also searches {found.expired_skipped} expired"
-            click.echo(line + ")", err=True)
+            say(line + ")", err=True)
 
     emit(found.as_dict(), human)
     if found.unreadable:

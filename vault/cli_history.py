@@ -24,10 +24,12 @@ from .cli import (
     open_any,
     plural,
     postgres_url,
+    say,
     state,
 )
 from .errors import VaultError
 from .store import DEFAULT_TTL, Vault
+from .textsafe import escape_line, escape_text
 
 if TYPE_CHECKING:
     from .pg import PgVault
@@ -72,12 +74,12 @@ def init(ttl: Any) -> None:
     }
     emit(
         data,
-        lambda: click.echo(
-            f"created vault {data['path']}\n"
-            f"  key id  {data['kid']} (key stored in {data['keyring']})\n"
-            f"  ttl     {data['ttl']}\n"
+        lambda: say(
+            f"created vault {data['path']}",
+            f"  key id  {data['kid']} (key stored in {data['keyring']})",
+            f"  ttl     {data['ttl']}",
             "  next    make a recovery kit, kept apart from the vault: "
-            "`memvault key export FILE`; without it, a lost keyring entry loses the history"
+            "`memvault key export FILE`; without it, a lost keyring entry loses the history",
         ),
     )
 
@@ -99,33 +101,33 @@ def status() -> None:
 
     def human() -> None:
         if st.get("backend") == "postgresql":
-            click.echo(f"vault      {st['path']}  (PostgreSQL, schema {st['schema']})")
+            say(f"vault      {st['path']}  (PostgreSQL, schema {st['schema']})")
             click.echo(f"files      {st['size']} (no file, folder or mode of memvault's own)")
         else:
-            click.echo(f"vault      {st['path']}  ({st['size']} bytes)")
+            say(f"vault      {st['path']}  ({st['size']} bytes)")
             click.echo(f"folder     mode {st['folder_mode']}")
         for name, f in st["files"].items():
             click.echo(f"  {name:<20} {f['size']:>10} bytes  mode {f['mode']}")
-        click.echo(f"keyring    {st['keyring']}")
+        say(f"keyring    {st['keyring']}")
         key = st["key"] + (f": {st['key_problem']}" if st.get("key_problem") else "")
-        click.echo(f"key        {key}")
-        click.echo(f"key id     {st['kid']}")
+        say(f"key        {key}")
+        say(f"key id     {st['kid']}")
         click.echo(f"ttl        {st['ttl']}")
         counts = f"{plural(st['items'], 'item')} in {plural(st['sessions'], 'session')}"
         counts += f", {st['expired_unverified']} expired by their timestamps"
         click.echo(f"contents   {counts}")
         click.echo("           (unverified counts: `memvault verify` authenticates every item)")
-        click.echo(f"rotated    {st['rotated_at'] or 'never'}")
+        say(f"rotated    {st['rotated_at'] or 'never'}")
         if st["scrub_pending"]:
             click.echo("scrub      pending (old bytes may remain until the next command)")
         if st.get("rotation"):
-            click.echo(
+            say(
                 f"rotation   in progress from {st['rotation']['from_kid']} (rows up to id "
                 f"{st['rotation']['done_through_id']} done); both keys read; if no rotation "
                 "is running, `memvault rotate` finishes it"
             )
         if st.get("backup_of"):
-            click.echo(
+            say(
                 f"backup     of vault {st['backup_of']}, made {st['backed_up_at']}: commands "
                 "that write refuse it; `memvault restore` makes it the live vault"
             )
@@ -157,8 +159,8 @@ def sessions() -> None:
             return
         click.echo(f"{'SESSION':<30} {'ITEMS':>8} {'EXPIRED*':>8}  UPDATED")
         for r in rows:
-            click.echo(
-                f"{r['session_id']:<30} {r['items']:>8} {r['expired_unverified']:>8}  "
+            say(
+                f"{escape_line(r['session_id']):<30} {r['items']:>8} {r['expired_unverified']:>8}  "
                 f"{r['updated_at'] or '-'}"
             )
         click.echo("* by timestamp, unverified: `memvault verify` authenticates every item")
@@ -232,9 +234,9 @@ def show(session_id: str, limit: int | None, include_expired: bool) -> None:
 
     def human() -> None:
         if not opened:
-            click.echo(f"session {session_id} is empty")
+            say(f"session {session_id} is empty")
         for position, old, it in shown:
-            click.echo(f"#{position}{' (expired)' if old else ''} {_item_text(it)}")
+            click.echo(f"#{position}{' (expired)' if old else ''} {escape_text(_item_text(it))}")
         if expired and not include_expired:  # else an expired session would print nothing
             click.echo(
                 f"{plural(expired, 'expired item')} hidden by the TTL "
@@ -300,7 +302,7 @@ def pop(session_id: str, count: int, yes: bool) -> None:
     emit(
         data,
         lambda: click.echo(
-            f"removed {plural(len(popped), 'item')} from {session_id}"
+            f"removed {plural(len(popped), 'item')} from {escape_line(session_id)}"
             + (f" (asked for {count}: it had no more)" if len(popped) < count else "")
             + (f"\nscrub: {note}" if note else "")
         ),
@@ -347,7 +349,7 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
     emit(
         data,
         lambda: click.echo(
-            f"cleared {session_id}: {n} item(s) deleted"
+            f"cleared {escape_line(session_id)}: {n} item(s) deleted"
             + (f", {bad} of them unreadable" if bad else "")
             + (f"\nscrub: {note}" if note else "")
         ),
@@ -396,7 +398,7 @@ def log() -> None:
     def human() -> None:
         for r in rows:
             extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("at", "event", "kid"))
-            click.echo(f"{r['at']}  {r['event']:<10} {r['kid'] or '-':<22} {extra}")
+            say(f"{r['at']}  {r['event']:<10} {r['kid'] or '-':<22} {extra}")
 
     emit(rows, human)
 

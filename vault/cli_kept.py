@@ -8,15 +8,16 @@ from typing import Any
 
 import click
 
-from .cli import common, confirm, emit, open_any
+from .cli import common, confirm, emit, open_any, say
 from .cli_keys import key_group
 
 
 def backup_lines(backups: list[dict[str, Any]], indent: str = "  ") -> list[str]:
     """One line per recorded backup: where, whether it is there, whether it opens here."""
     from .retention import why
+    from .textsafe import escape_line
 
-    return [indent + why(b) for b in backups]
+    return [indent + escape_line(why(b)) for b in backups]
 
 
 @key_group.command("list")
@@ -58,7 +59,7 @@ def key_list() -> None:
         click.echo(f"{'key id':<22}  {'state':<9}  {'in keyring':<10}  created")
         for v in versions:
             present = "yes" if v.in_keyring else "no"
-            click.echo(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")
+            say(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")
             for line in backup_lines(list(v.backups), "    backup "):
                 click.echo(line)
 
@@ -88,15 +89,15 @@ def key_forget(kid: str, yes: bool) -> None:
         b for v in vault.key_versions() if v.kid == kid and v.state == "retained" for b in v.backups
     ]
     if lost:
-        click.echo(f"forgetting key {kid} makes these backups unreadable here:", err=True)
+        say(f"forgetting key {kid} makes these backups unreadable here:", err=True)
         for line in backup_lines(lost, "  "):
             click.echo(line, err=True)
     confirm(f"Destroy retained key {kid} of {vault.path}?", yes)
     r = vault.forget(kid)
 
     def human() -> None:
-        click.echo(f"destroyed retained key {r['kid']} of vault {r['vault_id']}")
+        say(f"destroyed retained key {r['kid']} of vault {r['vault_id']}")
         for b in r["unreadable"]:
-            click.echo(f"  now unreadable here: {b['path']}")
+            say(f"  now unreadable here: {b['path']}")
 
     emit(r, human)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import click
 
 from . import files
-from .cli import PATH, F, cli, common, confirm, emit, open_any, refuse_vault_target
+from .cli import PATH, F, cli, common, confirm, emit, open_any, refuse_vault_target, say
 from .errors import BadInput, Interrupted
 
 
@@ -144,7 +144,7 @@ def read_passphrase_file(path: str) -> str:
             what = files.kind(st.st_mode)
             raise BadInput(f"{path} is a {what}; give a file or a pipe holding the passphrase")
         if os.name == "posix" and st.st_mode & 0o044:
-            click.echo(
+            say(
                 f"warning: {where} is readable by other users (mode "
                 f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 {path}",
                 err=True,
@@ -288,9 +288,9 @@ def key_export(file: str, force: bool, passphrase_file: str | None, passphrase_s
     r = export_kit(vault, file, passphrase, force=force)
     emit(
         r,
-        lambda: click.echo(
-            f"wrote recovery kit {r['path']} (mode 0600) for vault {r['vault_id']}, key "
-            f"{r['kid']}\n  keep it away from the vault file; a rotation makes it useless"
+        lambda: say(
+            f"wrote recovery kit {r['path']} (mode 0600) for vault {r['vault_id']}, key {r['kid']}",
+            "  keep it away from the vault file; a rotation makes it useless",
         ),
     )
 
@@ -351,23 +351,23 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
 
     def human() -> None:
         if r.get("destroyed_here"):
-            click.echo(
+            say(
                 f"destroyed this keyring's entries of retired keys {', '.join(r['destroyed_here'])}"
             )
         if r.get("kept_until_rotation_ends"):
-            click.echo(
+            say(
                 f"kept key {', '.join(r['kept_until_rotation_ends'])} in this keyring: a "
                 "rotation still moves rows from it; run this import again once it has finished "
                 "(`memvault status` shows no rotation) to delete it here"
             )
         if r["restored"]:
             extra = f" (replaced key {r['replaced_kid']})" if r["replaced_kid"] else ""
-            click.echo(
+            say(
                 f"restored key {', '.join(r['stored_kids'])} of vault {r['vault_id']} into "
                 f"{r['keyring']}{extra}; the vault opens again"
             )
         else:
-            click.echo(
+            say(
                 f"kit verified: the keyring already holds key {r['kid']} of vault "
                 f"{r['vault_id']}; nothing was changed"
             )

@@ -18,6 +18,7 @@ from . import files, paths
 from .cli import cli, common, hide_options, refuse_option, state
 from .db import keep_temp_in_memory
 from .schema import SESSIONS_TABLE
+from .textsafe import escape_line
 
 if TYPE_CHECKING:
     from click.shell_completion import CompletionItem
@@ -100,5 +101,6 @@ def session_ids(db: str | None, prefix: str = "") -> list[str]:
         ).fetchall()
     finally:
         conn.close()
-    # One candidate per line in the shell protocol: an id with a line break cannot be offered.
-    return [r[0] for r in rows if isinstance(r[0], str) and not set(r[0]) & {"\n", "\r", "\0"}]
+    # One candidate per line in the shell protocol, which the shell shows and inserts as it
+    # is: an id holding a control character (a line break, ESC...) cannot be offered.
+    return [r[0] for r in rows if isinstance(r[0], str) and escape_line(r[0]) == r[0]]

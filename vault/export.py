@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Protocol
 from . import crypto, files, targets
 from .crypto import ItemState
 from .errors import BadInput, OperationFailed, UnknownSession
+from .textsafe import escape_line, escape_text
 
 FORMATS = ("jsonl", "md")
 _MD_TITLE = "# memvault export\n"
@@ -309,7 +310,7 @@ def _render(
     for sid in plan.sessions:
         result.sessions.append(sid)
         if md:
-            yield f"\n## Session {_code(sid)}\n"
+            yield f"\n## Session {_code(escape_line(sid))}\n"
         written = 0
         opened = vault.opened_items(sid, now=now, include_expired=plan.include_expired)
         for position, one in enumerate(opened, 1):
@@ -351,11 +352,13 @@ def _md_item(position: int, timestamp: int | None, expired: bool, item: Any) -> 
     it = item_text(item)
     when = (iso_time(timestamp) or "no time") + (", expired" if expired else "")
     if it.role == "tool call":
-        body = f"{_code(it.name or '')}({abbreviate(it.text, _ARGS_SHOWN)})"
+        body = f"{_code(escape_line(it.name or ''))}({abbreviate(it.text, _ARGS_SHOWN)})"
     elif it.role == "tool output":
         body = abbreviate(it.text, _OUTPUT_SHOWN)
     else:
         body = it.text
+    # A Markdown file is read with `cat` too: its text is escaped as on a terminal.
     # Quoted, so that a heading or a rule inside a message cannot break the document.
-    quoted = "\n".join(f"> {line}" if line else ">" for line in body.splitlines() or [""])
-    return f"\n**{position}. {it.role}** · {when}\n\n{quoted}\n"
+    lines = escape_text(body).splitlines() or [""]
+    quoted = "\n".join(f"> {line}" if line else ">" for line in lines)
+    return f"\n**{position}. {escape_line(it.role)}** · {when}\n\n{quoted}\n"

@@ -65,7 +65,7 @@ _SECRET_SERVICE_FIX = (
     "run memvault in a desktop session with an unlocked keyring, or (on a server or over "
     "SSH) through the memvault-headless script, which starts a private one with "
     "`dbus-run-session` and `gnome-keyring-daemon --unlock` from a passphrase file: see "
-    'README.md, "On a server or over SSH"'
+    "docs/headless.md"
 )
 
 

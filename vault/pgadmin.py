@@ -14,7 +14,7 @@ vault.lifecycle, vault.shred); `PgVault` delegates here. What differs:
   URL's `?schema=` if `memvault init` created it and nothing else is left in it.
   A shred cut off at any step is finished by the next one, with the same report.
 * Revoke and shred destroy the entries of this host's keyring only: every other
-  host runs `memvault revoke` too (README, "Several hosts").
+  host runs `memvault revoke` too (docs/postgres.md, "Several hosts").
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 from .crypto import ItemState
 from .errors import BadInput
 from .export import ItemSource, iso_time, item_text, select_sessions
+from .textsafe import escape_line
 
 EXCERPT_CONTEXT = 30  # characters shown on each side of a match
 
@@ -74,9 +75,8 @@ def compile_pattern(pattern: str, regex: bool = False) -> re.Pattern[str]:
 def excerpt(text: str, match: re.Match[str], context: int = EXCERPT_CONTEXT) -> str:
     """The match with some text around it, on one printable line."""
     start, end = max(0, match.start() - context), min(len(text), match.end() + context)
-    flat = " ".join(text[start:end].split())
-    # A model's text may hold terminal control sequences: never replay them.
-    flat = "".join(c if c.isprintable() else "\N{REPLACEMENT CHARACTER}" for c in flat)
+    # A model's text may hold terminal control sequences: shown escaped, never replayed.
+    flat = escape_line(" ".join(text[start:end].split()))
     return ("…" if start else "") + flat + ("…" if end < len(text) else "")
 
 

@@ -1,0 +1,121 @@
+"""Commands timed as new processes: wall time, peak RSS, and a writer running alongside."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def memvault_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "memvault"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vault"]
+
+
+def runner(cmd: list[str], env: dict[str, str]) -> Callable[[], object]:
+    def go() -> None:
+        proc = subprocess.run(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr}")
+
+    return go
+
+
+# A small launcher runs the command and reports the command's own rusage. The child's
+# max RSS cannot be taken from this (large) benchmark process directly: Linux carries the
+# parent's high-water mark into a forked child's ru_maxrss across exec.
+LAUNCHER = """
+import json, os, subprocess, sys, time
+t0 = time.perf_counter()
+proc = subprocess.Popen(sys.argv[2:])
+_pid, status, usage = os.wait4(proc.pid, 0)
+elapsed = time.perf_counter() - t0
+with open(sys.argv[1], "w") as fh:
+    json.dump({"rc": os.waitstatus_to_exitcode(status), "seconds": elapsed,
+               "maxrss_kib": usage.ru_maxrss}, fh)
+"""
+
+
+# An agent in another process, writing one item every 20 ms through vault.open_session:
+# how long each add_items() took, and which were refused, while a rotation runs.
+WRITER = """
+import asyncio, json, sys, time
+from pathlib import Path
+import vault
+db, ready, stop, out = sys.argv[1:5]
+session = vault.open_session("writer", db)
+waits, errors = [], []
+async def main():
+    await session.add_items([{"role": "user", "content": "warm-up"}])
+    Path(ready).touch()
+    i = 0
+    while not Path(stop).exists():
+        t = time.perf_counter()
+        try:
+            await session.add_items([{"role": "user", "content": f"turn {i}"}])
+            waits.append(time.perf_counter() - t)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        i += 1
+        await asyncio.sleep(0.02)
+asyncio.run(main())
+session.close()
+Path(out).write_text(json.dumps({"waits": waits, "errors": errors}))
+"""
+
+
+def writer_during(db: str, env: dict[str, str], cmd: list[str]) -> tuple[float, dict[str, Any]]:
+    """Run `cmd` (a rotation) while a writer process appends items to `db`: the command's
+    wall seconds and the writer's {"waits": [seconds per add_items], "errors": [...]}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ready, stop, out = (Path(tmp) / name for name in ("ready", "stop", "out.json"))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, db, str(ready), str(stop), str(out)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            while not ready.exists():  # the SDK's import takes seconds
+                if proc.poll() is not None:
+                    _o, err = proc.communicate()
+                    raise RuntimeError(f"the writer failed: {err}")
+                time.sleep(0.05)
+            time.sleep(0.5)  # some writes before the rotation, for the median
+            secs, _peak, _out = timed_child(cmd, env)
+            time.sleep(0.5)
+        except BaseException:
+            # The stop file goes with the temporary folder: the writer would never see it.
+            proc.kill()
+            proc.communicate()
+            raise
+        stop.touch()
+        _o, err = proc.communicate(timeout=300)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the writer failed ({proc.returncode}): {err}")
+        return secs, json.loads(out.read_text())
+
+
+def timed_child(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS (bytes) and stdout of one command, measured by a launcher."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "rusage.json"
+        proc = subprocess.run(
+            [sys.executable, "-c", LAUNCHER, str(report), *cmd],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        if proc.returncode != 0 or not report.exists():
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr}")
+        r = json.loads(report.read_text())
+    if r["rc"] != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r['rc']}): {proc.stderr}")
+    return float(r["seconds"]), int(r["maxrss_kib"]) * 1024, proc.stdout
