@@ -65,6 +65,8 @@ WRITING = {
     "ttl": ["ttl", "7d"],
     "import": ["import", PLAIN],
     "revoke": ["revoke", "--yes"],
+    # Refused before the first prompt, not after the model has answered it.
+    "chat": ["chat", "s"],
 }
 
 
@@ -90,11 +92,12 @@ def test_every_writing_command_refuses_a_backup_and_changes_nothing(
     before = digest(dest)
     entries = keyring_entries(vault.vault_id)
     args = [str(tmp_path / PLAIN) if a == PLAIN else a for a in WRITING[command]]
-    r = run_cli("--db", str(dest), *args)
+    r = run_cli("--db", str(dest), *args, input="hello\n", env={"OPENAI_API_KEY": "sk-unused"})
     assert r.code == 1, r
     err = one_line_error(r)
     assert "is a backup of vault" in err and f"memvault restore {dest}" in err, err
     assert "nothing was changed" in err
+    assert "assistant>" not in r.out, r  # no conversation began
     assert digest(dest) == before
     assert keyring_entries(vault.vault_id) == entries  # a revoke destroyed nothing
     # The live vault is as it was.
@@ -192,6 +195,25 @@ def test_a_postgresql_backup_is_marked_and_refuses_writes(
     assert r.code == 1 and "memvault restore" in one_line_error(r), r
     assert digest(dest) == before
     assert run_cli("--db", str(dest), "verify").code == 0
+
+
+@PG_MARKS[0]
+@PG_MARKS[1]
+def test_a_postgresql_backup_is_never_restored_into_a_file(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    # The file would share the PostgreSQL vault's keyring entries: its first rotation
+    # destroyed the key the PostgreSQL vault uses on this host.
+    dest = tmp_path / "pg-copy.db"
+    assert run_cli("--db", pg_url, "backup", str(dest)).code == 0
+    password = pg_url.split("@")[0].rsplit(":", 1)[1]
+    assert password not in meta_of(dest)["backup_from"]  # the URL, as `status` shows it
+    twin = tmp_path / "twin.db"
+    r = run_cli("--db", str(twin), "restore", str(dest), "--yes")
+    assert r.code == 1, r
+    assert "PostgreSQL" in one_line_error(r), r
+    assert not twin.exists()
+    assert run_cli("--db", pg_url, "verify").code == 0
 
 
 def test_opening_a_backup_never_deletes_a_key_the_live_vault_may_use(

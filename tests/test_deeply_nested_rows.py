@@ -127,3 +127,40 @@ def test_rotate_carries_deep_rows_as_unreadable_and_clear_removes_them(
     assert cleared.code == 0, cleared
     assert rows(vault_db, "s") == []
     assert run_cli("verify").code == 0
+
+
+# More digits than Python converts to an int (4,300 by default): json.loads raises a
+# plain ValueError, which the SDK's row decoding does not catch as it catches
+# JSONDecodeError.
+LONG_NUMBER = "[" + "1" * 5000 + "]"
+
+
+def test_the_agents_session_skips_a_row_whose_number_is_too_long_to_read(
+    vault: Any, vault_db: Path
+) -> None:
+    add_items(vault_db, "s", [user("kept one")])
+    with contextlib.closing(sqlite3.connect(vault_db)) as conn, conn:
+        guard = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE name = 'memvault_guard_insert'"
+        ).fetchone()[0]
+        conn.execute("DROP TRIGGER memvault_guard_insert")
+        conn.execute(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
+            ("s", LONG_NUMBER),
+        )
+        conn.execute(guard)
+    add_items(vault_db, "s", [user("kept two")])
+
+    async def read() -> Any:
+        s = vault_pkg.open_session("s", vault_db)
+        try:
+            return await s.get_items(), await s.get_items(limit=1)
+        finally:
+            s.close()
+
+    everything, last = asyncio.run(read())
+    assert everything == [user("kept one"), user("kept two")]
+    assert last == [user("kept two")]
+    v = run_cli("--json", "verify")
+    no_crash(v)
+    assert v.code == 1 and v.json()["problems"]["unauthenticated_items"] == 1, v

@@ -330,6 +330,25 @@ def test_refuses_rows_no_export_or_session_could_give_back(
     assert vault.count_items() == 0
 
 
+def test_a_row_with_a_number_too_long_to_read_is_refused_saying_so(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    # json.loads raises a plain ValueError for more digits than Python converts: the
+    # refusal said the row held NaN or an infinite number.
+    src = tmp_path / "long.db"
+    make_plain(src, {"s": [user("one"), user("two")]})
+    with sqlite3.connect(src) as conn:
+        conn.execute(
+            "UPDATE agent_messages SET message_data = ? WHERE id = 2", ("[" + "1" * 5000 + "]",)
+        )
+    conn.close()
+    r = run_cli("import", str(src))
+    assert r.code == 1, r
+    err = one_line_error(r)
+    assert "row 2 of session 's'" in err and "digits" in err and "NaN" not in err, err
+    assert vault.count_items() == 0
+
+
 def test_a_killed_import_never_leaves_half_a_session(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -32,14 +32,6 @@ def fill_big(db: Path) -> None:
     insert_sealed(db, "big", [user(f"{SECRET} {i} " + "x" * 4000) for i in range(3000)])
 
 
-def earlier_export(db: Path, out: Path) -> bytes:
-    """A real earlier export at `out`, of a small session: what `--force` may replace."""
-    insert_sealed(db, "small", [user("an earlier export")])
-    r = run_cli("--db", str(db), "export", "small", "-o", str(out))
-    assert r.code == 0, r
-    return out.read_bytes()
-
-
 def temps(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(".memvault-"))
 
@@ -76,9 +68,10 @@ def test_a_killed_forced_export_leaves_no_plaintext_after_the_next_export(
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / "history.jsonl"
-    old = earlier_export(vault_db, out)
+    old = '{"session_id": "s", "position": 1, "timestamp": null, "expired": false, "item": {}}\n'
+    out.write_text(old)  # an earlier export: --force replaces only one of those
     kill_export_mid_write(vault_db, out)
-    assert out.read_bytes() == old  # the old export is left as it was
+    assert out.read_text() == old  # the old export is left as it was
     again = run_cli("--db", str(vault_db), "export", "big", "-o", str(out), "--force")
     assert again.code == 0, again
     assert temps(out_dir) == []
@@ -90,7 +83,7 @@ def test_a_killed_forced_export_beside_the_vault_is_destroyed_by_shred(
 ) -> None:
     fill_big(vault_db)
     out = vault_db.parent / "history.md"
-    earlier_export(vault_db, out)
+    out.write_text("# memvault export\n")  # an earlier export: --force replaces only those
     left = kill_export_mid_write(vault_db, out)
     r = run_cli("--db", str(vault_db), "--json", "shred", "--yes")
     assert r.code == 0, r

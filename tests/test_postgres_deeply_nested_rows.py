@@ -11,7 +11,7 @@ from typing import Any
 
 from tests.conftest import run_cli, user
 from tests.pgserver import MARKS, sql
-from tests.test_deeply_nested_rows import DEEP, no_crash
+from tests.test_deeply_nested_rows import DEEP, LONG_NUMBER, no_crash
 from tests.test_postgres_read import insert
 from vault import crypto
 
@@ -68,3 +68,22 @@ def test_deep_rows_on_a_url_are_unreadable_items(pg_vault: Any, pg_url: str) -> 
     no_crash(cleared)
     assert cleared.code == 0, cleared
     assert run_cli("--db", pg_url, "verify").code == 0
+
+
+def test_the_agents_session_on_a_url_skips_a_row_whose_number_is_too_long_to_read(
+    pg_vault: Any, pg_url: str
+) -> None:
+    sealer = pg_vault.sealer()
+    insert(pg_url, "s", [sealer.seal("s", user("kept one"))])
+    sql(pg_url, "ALTER TABLE agent_messages DISABLE TRIGGER memvault_guard")
+    insert(pg_url, "s", [LONG_NUMBER])
+    sql(pg_url, "ALTER TABLE agent_messages ENABLE TRIGGER memvault_guard")
+    insert(pg_url, "s", [sealer.seal("s", user("kept two"))])
+
+    import vault
+
+    async def read() -> Any:
+        s = vault.open_session("s", pg_url)
+        return await s.get_items()
+
+    assert asyncio.run(read()) == [user("kept one"), user("kept two")]

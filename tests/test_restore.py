@@ -94,11 +94,42 @@ def test_restore_into_an_empty_path_makes_the_vault_there(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:
     dest = live_and_backup(vault_db, tmp_path)
+    vault_db.rename(tmp_path / "disk-that-died.db")  # the original is gone
     elsewhere = tmp_path / "new-home" / "history.db"
     r = run_cli("--db", str(elsewhere), "restore", str(dest))  # nothing replaced: no question
     assert r.code == 0, r
     assert contents(elsewhere) == ["one"]
     assert "backup_of" not in meta_of(elsewhere)
+
+
+@pytest.mark.parametrize("name", ["-journal", "-wal", "-shm", ".restore-old"])
+def test_restore_never_makes_a_vault_where_the_live_vaults_next_open_deletes_it(
+    vault: Vault, vault_db: Path, tmp_path: Path, name: str
+) -> None:
+    # SQLite takes `X-journal` for X's journal (and a restore's names are tidied by X's
+    # next open): a vault restored there would be reported restored, then vanish.
+    dest = live_and_backup(vault_db, tmp_path)
+    there = vault_db.with_name(vault_db.name + name)
+    r = run_cli("--db", str(there), "restore", str(dest), "--yes")
+    assert r.code == 2 and "nothing was written" in one_line_error(r), r
+    assert not os.path.lexists(there)
+    assert contents(vault_db) == ["one", "two"]
+
+
+def test_restore_into_an_empty_path_refuses_while_the_backups_vault_is_still_there(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    # Two live vaults with one vault id share their keyring entries: the twin's first
+    # rotation destroyed the key the original still used, and the original was lost.
+    dest = live_and_backup(vault_db, tmp_path)
+    elsewhere = tmp_path / "new-home" / "history.db"
+    r = run_cli("--db", str(elsewhere), "restore", str(dest), "--yes")
+    assert r.code == 1, r
+    err = one_line_error(r)
+    assert f"still at {vault_db}" in err and "nothing was changed" in err, err
+    assert not os.path.lexists(elsewhere)
+    assert run_cli("rotate", "--yes").code == 0
+    assert contents(vault_db) == ["one", "two"]
 
 
 def test_restore_refuses_a_backup_of_another_vault(
@@ -263,6 +294,7 @@ def test_a_restore_into_an_empty_path_killed_leaves_no_vault_or_a_whole_one(
     vault: Vault, vault_db: Path, tmp_path: Path, step: str
 ) -> None:
     dest = live_and_backup(vault_db, tmp_path)
+    vault_db.rename(tmp_path / "disk-that-died.db")  # the original is gone
     elsewhere = tmp_path / "new-home" / "history.db"
     assert killed_restore(elsewhere, dest, step, None) == -signal.SIGKILL
     if step == "restore-renamed":  # linked into place: the restore is done

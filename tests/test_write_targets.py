@@ -95,6 +95,51 @@ def test_a_command_never_writes_over_the_vault_or_a_side_file(
     still_readable(filled)
 
 
+@pytest.mark.parametrize("name", [".restore-new", ".restore-old"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["backup"],
+        ["export", "--all", "-o"],
+        ["key", "export", "--passphrase-stdin"],
+        ["--db", "{target}", "init"],
+    ],
+)
+def test_no_command_writes_where_the_vaults_next_open_would_delete_it(
+    filled: Path, args: list[str], name: str
+) -> None:
+    # The next open of the vault takes a file at a restore's names for a cut-off
+    # restore's leftover and destroys it: a backup or kit written there would die unseen.
+    target = f"{filled}{name}"
+    argv = [a.replace("{target}", target) for a in args]
+    if "{target}" not in args:
+        argv.append(target)
+    r = run_cli(*argv, input=PASS + "\n")
+    one_line(r, 2, "nothing was written")
+    assert not os.path.lexists(target)
+    still_readable(filled)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (["backup"], ".memvault-backup-monday"),
+        (["export", "--all", "-o"], ".memvault-export-notes"),
+        (["key", "export", "--passphrase-stdin"], ".memvault-kit-x"),
+        (["shred", "--yes", "--receipt"], ".memvault-write-x"),
+    ],
+)
+def test_no_command_writes_a_file_named_as_memvaults_temporary_files(
+    filled: Path, tmp_path: Path, args: list[str], name: str
+) -> None:
+    # The next backup or export in that folder takes such a file for a killed writer's
+    # leftover and destroys it: a recorded backup written there would die unseen.
+    target = tmp_path / name
+    one_line(run_cli(*args, str(target), input=PASS + "\n"), 2, "nothing was written")
+    assert not os.path.lexists(target)
+    still_readable(filled)
+
+
 @pytest.mark.parametrize("side", ["-journal", "-wal", "-shm"])
 def test_init_never_makes_a_vault_at_a_side_file_name_of_a_database(
     filled: Path, side: str

@@ -21,6 +21,7 @@ says so. A revoked vault is refused: nothing can ever read its copy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sqlite3
 import stat
@@ -143,12 +144,11 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
             "it; nothing was written"
         )
     target = check_destination(dest, vault.path)
+    mark = functools.partial(mark_as_backup, meta["vault_id"], source=str(vault.path))
     rec, (kid, vault_id, sessions, items) = recorded_copy(
         vault,
         target,
-        lambda rec, keep: vacuum_copy(
-            vault, target, mark_as_backup(meta["vault_id"], rec.backup_id), "backup", keep
-        ),
+        lambda rec, keep: vacuum_copy(vault, target, mark(rec.backup_id), "backup", keep),
     )
     testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still
@@ -182,8 +182,8 @@ def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
 Adjust = Callable[[sqlite3.Connection], None]
 
 
-def mark_as_backup(vault_id: str, backup_id: str) -> Adjust:
-    """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id`.
+def mark_as_backup(vault_id: str, backup_id: str, source: str) -> Adjust:
+    """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id` (at `source`).
 
     The mark names the copy as the live vault's record names it. A pending version is
     the live vault's rotation in flight: the copy's tidy-up on open would delete its
@@ -192,7 +192,7 @@ def mark_as_backup(vault_id: str, backup_id: str) -> Adjust:
 
     def adjust(conn: sqlite3.Connection) -> None:
         conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
-        set_meta(conn, **backupmark.new_mark(vault_id, backup_id))
+        set_meta(conn, **backupmark.new_mark(vault_id, backup_id, source))
 
     return adjust
 

@@ -20,7 +20,10 @@ from .schema import utcnow
 BACKUP_OF = "backup_of"
 BACKUP_ID = "backup_id"
 BACKED_UP_AT = "backed_up_at"
-MARK = (BACKUP_OF, BACKUP_ID, BACKED_UP_AT)
+# Where the live vault was (a file's absolute path, or a PostgreSQL URL without its
+# password): `restore` into another path refuses while that vault is still there.
+BACKUP_FROM = "backup_from"
+MARK = (BACKUP_OF, BACKUP_ID, BACKED_UP_AT, BACKUP_FROM)
 
 
 class HasMeta(Protocol):
@@ -34,9 +37,10 @@ class IsABackup(OperationFailed):
     """A writing command was given a backup file (exit 1: the request is refused)."""
 
 
-def new_mark(vault_id: str, backup_id: str) -> dict[str, str]:
-    """The meta rows of a backup of `vault_id` taken now, named as its record names it."""
-    return {BACKUP_OF: vault_id, BACKUP_ID: backup_id, BACKED_UP_AT: utcnow()}
+def new_mark(vault_id: str, backup_id: str, source: str) -> dict[str, str]:
+    """The meta rows of a backup of `vault_id` at `source` taken now, named as its
+    record names it."""
+    return {BACKUP_OF: vault_id, BACKUP_ID: backup_id, BACKED_UP_AT: utcnow(), BACKUP_FROM: source}
 
 
 def is_backup(meta: dict[str, str]) -> bool:

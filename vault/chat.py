@@ -32,7 +32,7 @@ from typing import Any, TextIO
 from agents import Agent, Model, RunConfig, Runner
 from openai.types.responses import ResponseTextDeltaEvent
 
-from . import paths, testhooks
+from . import backupmark, paths, testhooks
 from .errors import BadInput, KeyProblem, UnknownSession, VaultError
 from .store import Vault
 from .textsafe import escape_line, escape_text
@@ -241,5 +241,6 @@ def run_chat(db: str | None, session_id: str, model_name: str | None) -> int:
         vault = PgVault.open(where)
     else:
         vault = Vault.open(paths.resolve_db_path(db))
+    backupmark.refuse_writes(vault, "`memvault chat`")  # before a turn is typed, not after
     vault.sealer()  # the key is checked before the first prompt
     return asyncio.run(Chat(vault, session_id, model).run())

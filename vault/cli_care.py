@@ -195,8 +195,9 @@ def restore_cmd(backup: str, yes: bool) -> None:
 
     BACKUP must be a copy of the vault at --db (same vault id), or of a vault
     that is no longer there (restore to a path with no vault only when the
-    original is gone: both would share one set of keys), and every item must
-    authenticate with the keys in
+    original is gone: both would share one set of keys; refused while the vault
+    a backup was made from is still at its path, and for a PostgreSQL vault's
+    backup), and every item must authenticate with the keys in
     this keyring (`memvault --db BACKUP key import KIT` first if it needs an
     older key). The restored vault is a new compact copy of BACKUP, no longer
     marked as a backup; BACKUP itself stays as it is.

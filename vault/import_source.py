@@ -60,7 +60,15 @@ def decode_row(row: str, data: Any) -> Any:
     """The item a source row holds, or OperationFailed naming `row` (its place in the
     source) when no SQLiteSession item can be made of it."""
     try:
-        item = json.loads(data)
+        try:
+            item = json.loads(data)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # more digits than Python converts to an int
+            raise OperationFailed(
+                f"{row} holds a number of more digits than Python reads, so no session "
+                "could read it back; repair or delete that row; nothing was imported"
+            ) from None
         # Python reads NaN, Infinity and 1e999 (as inf); RFC 8259 JSON has none of them,
         # so an export could not write the item as standard JSON: refused here.
         text = json.dumps(item, ensure_ascii=False, allow_nan=False)

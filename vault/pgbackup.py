@@ -48,7 +48,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
         lambda rec, keep: file_backup.write_new_copy(
             target,
             lambda dest: _copy(vault, dest),
-            file_backup.mark_as_backup(meta["vault_id"], rec.backup_id),
+            file_backup.mark_as_backup(meta["vault_id"], rec.backup_id, str(vault.path)),
             keep,
         ),
     )

@@ -44,13 +44,16 @@ class VaultSQLAlchemySession(SQLAlchemySession):
     """The SDK's SQLAlchemySession on the vault's tables; never creates tables itself."""
 
     async def _deserialize_item(self, item: str) -> Any:
-        # The SDK skips a row whose decoding raises JSONDecodeError, not RecursionError: a
-        # row nested deeper than the parser's stack (`[` x 5000, storable by a writer of the
-        # tables) is skipped the same way instead of ending the agent's read.
+        # The SDK skips a row whose decoding raises JSONDecodeError, not RecursionError or
+        # a plain ValueError: a row nested deeper than the parser's stack (`[` x 5000) or
+        # holding a number of more digits than Python converts, storable by a writer of the
+        # tables, is skipped the same way instead of ending the agent's read.
         try:
             return json.loads(item)
-        except RecursionError:
-            raise json.JSONDecodeError("nested too deeply", item[:20], 0) from None
+        except json.JSONDecodeError:
+            raise
+        except (ValueError, RecursionError):
+            raise json.JSONDecodeError("not a readable item", item[:20], 0) from None
 
 
 def _driver_error(exc: BaseException) -> BaseException:

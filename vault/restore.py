@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import backupmark, files, keyjournal, paths, retention, testhooks
+from . import backupmark, files, keyjournal, paths, retention, targets, testhooks
 from .backup import vacuum_copy
 from .db import SCRUB_WAIT, audit, connect, is_busy, read_meta, set_meta, sqlite_errors
 from .errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
@@ -79,6 +79,8 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
         raise BadInput(f"{src} is the live vault itself; give the backup file to restore")
     if src.absolute() in {p.absolute() for p in paths.sidecars(live)[1:] + list(state_names(live))}:
         raise BadInput(f"{src} is a side file of the vault {live}; give the backup file")
+    if not os.path.lexists(live):
+        targets.refuse_side_file(live, "restored vault")  # X's next open would delete it
     backup = Vault.open(src)
     meta = backup.meta()
     if os.path.lexists(live):
@@ -95,6 +97,8 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
                 f"{live_meta['vault_id']}; restore it at the path of the vault it was made "
                 "from, or at a new path (--db); nothing was changed"
             )
+    if not os.path.lexists(live):
+        refuse_a_twin(src, meta)
     report = verify(src)
     if report.key_error is not None:
         raise KeyProblem(
@@ -127,6 +131,36 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
         plan.replaced_items = current.count_items()
         plan.replaced_kid = current.meta()["kid"]
     return plan
+
+
+def refuse_a_twin(src: Path, meta: dict[str, str]) -> None:
+    """Refuse (exit 1) to restore into an empty path a backup whose vault is still live:
+    the two would share the vault id and so the keyring entries, and the first rotation
+    of either destroys the key version the other still uses."""
+    source = meta.get(backupmark.BACKUP_FROM)
+    if not source:
+        return  # a backup made before backups named their vault: the help's rule stands
+    if paths.postgres_url(source) is not None:
+        raise OperationFailed(
+            f"{src} is a backup of the PostgreSQL vault {source}; a file restored from it "
+            "would share that vault's keys, and its first rotation would destroy the key "
+            f"the PostgreSQL vault uses; read it with `memvault --db {src} show` or "
+            "`export`; nothing was changed"
+        )
+    try:
+        conn = files.peek(Path(source), retention.PEEK_TIMEOUT)
+        try:
+            row = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
+        finally:
+            conn.close()
+    except (OSError, sqlite3.Error):
+        return  # nothing readable there: the original is gone
+    if row is not None and row[0] == meta["vault_id"]:
+        raise OperationFailed(
+            f"the vault {src} was backed up from is still at {source}; restore it there "
+            f"(`memvault --db {source} restore {src}`): two vaults sharing one set of keys "
+            "would destroy each other's key at their next rotation; nothing was changed"
+        )
 
 
 def restore(plan: RestorePlan) -> dict[str, Any]:
@@ -235,7 +269,7 @@ def _copy(
     kept = RETAINED
 
     def adjust(conn: sqlite3.Connection) -> None:
-        conn.execute("DELETE FROM memvault_meta WHERE key IN (?, ?, ?)", backupmark.MARK)
+        conn.execute("DELETE FROM memvault_meta WHERE key IN (?, ?, ?, ?)", backupmark.MARK)
         known = {v.kid: v.state for v in keyjournal.versions(conn)}
         for v in replaced:
             if v.kid in known and known[v.kid] in (PENDING, RETIRED) and v.state != PENDING:

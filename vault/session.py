@@ -110,8 +110,9 @@ def sdk_error(exc: sqlite3.Error, path: Path) -> VaultError:
 
 def _undecodable_rows_as_none(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> tuple[Any, ...]:
     """The SDK's row decoding (get_items, pop, compaction) skips a row whose `json.loads`
-    raises JSONDecodeError or TypeError, but not RecursionError: a row nested deeper than
-    the parser's stack (`[` x 5000, storable by anyone who can write the file) would end
+    raises JSONDecodeError or TypeError, but not RecursionError or a plain ValueError: a
+    row nested deeper than the parser's stack (`[` x 5000) or holding a number of more
+    digits than Python converts, storable by anyone who can write the file, would end
     the agent's read. Such a row reaches the SDK as None, which it skips as corrupt."""
     if (
         len(row) == 1
@@ -121,10 +122,10 @@ def _undecodable_rows_as_none(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> t
     ):
         try:
             json.loads(row[0])
-        except RecursionError:
-            return (None,)
-        except ValueError:
+        except json.JSONDecodeError:
             pass  # the SDK skips it itself
+        except (ValueError, RecursionError):
+            return (None,)
     return row
 
 

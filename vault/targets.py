@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import files, paths
 from .errors import BadInput
+from .restorestate import NEW_SUFFIX, OLD_SUFFIX
 from .schema import SQLITE_MAGIC
 
 # Enough of an existing file to recognise it (a kit is at most 64 KiB).
@@ -84,9 +85,9 @@ def over_vault(what: str) -> str:
 NOT_A_SOURCE = "a vault is not a plaintext SQLiteSession file, and --shred-source would destroy it"
 
 
-def _database_side_file(target: Path) -> Path | None:
+def _database_side_file(target: Path, suffixes: tuple[str, ...]) -> Path | None:
     """The SQLite database that `target` would be a side file of (`X-wal` beside X)."""
-    for suffix in paths.SIDECAR_SUFFIXES:
+    for suffix in suffixes:
         if target.name.endswith(suffix) and len(target.name) > len(suffix):
             base = target.with_name(target.name[: -len(suffix)])
             try:
@@ -100,13 +101,31 @@ def _database_side_file(target: Path) -> Path | None:
 def refuse_side_file(target: Path, what: str) -> None:
     """Refuse (exit 2) a name SQLite gives a side file of an existing database (`X-wal`
     beside the database X): opening X would take the file for its own, and reset or
-    delete it."""
-    base = _database_side_file(target)
+    delete it. The same for the other names something else deletes: a restore's, and
+    memvault's temporary files."""
+    if Path(target).name.startswith(files.TEMP_PREFIX):
+        # A later backup, export or init in that folder takes it for a killed writer's
+        # leftover, and destroys it.
+        raise BadInput(
+            f"{files.shown(target)}: names starting with {files.TEMP_PREFIX} are memvault's "
+            f"temporary files, which a later command deletes; give another name for the "
+            f"{what}; nothing was written"
+        )
+    base = _database_side_file(target, paths.SIDECAR_SUFFIXES)
     if base is not None:
         raise BadInput(
             f"{files.shown(target)} is a side file of the SQLite database {files.shown(base)}, "
             f"which would take the {what} for its own; give another file name; nothing was "
             "written"
+        )
+    # The next open of a vault X takes `X.restore-new` or `X.restore-old` for what a
+    # cut-off restore left, and destroys it.
+    base = _database_side_file(target, (NEW_SUFFIX, OLD_SUFFIX))
+    if base is not None:
+        raise BadInput(
+            f"{files.shown(target)} is the name a restore of {files.shown(base)} works under, "
+            f"and that vault's next open would delete the {what}; give another file name; "
+            "nothing was written"
         )
 
 
