@@ -35,7 +35,7 @@ from typing import Any
 
 from . import backupmark, files, keyjournal, paths, retention, targets, testhooks
 from .backup import vacuum_copy
-from .db import SCRUB_WAIT, audit, connect, is_busy, read_meta, set_meta, sqlite_errors
+from .db import SCRUB_WAIT, audit, connect, is_busy, peek, read_meta, set_meta, sqlite_errors
 from .errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from .keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
 from .restorestate import destroy_with_sides, finish, finish_locked, folder_lock, state_names
@@ -148,7 +148,7 @@ def refuse_a_twin(src: Path, meta: dict[str, str]) -> None:
             "`export`; nothing was changed"
         )
     try:
-        conn = files.peek(Path(source), retention.PEEK_TIMEOUT)
+        conn = peek(Path(source), retention.PEEK_TIMEOUT)
         try:
             row = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
         finally:
