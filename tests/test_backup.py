@@ -437,3 +437,17 @@ def test_ctrl_c_while_the_copy_is_settled_leaves_no_partial_backup(
     assert not os.path.lexists(dest) and side_files(dest) == []
     assert list(tmp_path.glob(".memvault-*")) == []
     assert run_cli("verify").code == 0
+
+
+def test_a_killed_backups_copy_whose_first_page_is_not_written_yet_is_removed_next_time(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    # SQLite may extend the new file before it writes page 1: a backup killed then
+    # leaves zeros where the header goes, and a hot journal beside it.
+    add_items(vault_db, "s", [user("NORD-17")])
+    half = tmp_path / ".memvault-backup-0123456789abcdef"
+    half.write_bytes(b"\0" * 8192)
+    Path(f"{half}-journal").write_bytes(b"\0" * 512 + b"NORD-17 journal bytes")
+    r = run_cli("backup", str(tmp_path / "b.db"))
+    assert r.code == 0, r
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".memvault-")) == []

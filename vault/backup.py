@@ -201,7 +201,8 @@ TEMP_TAG = "backup"  # built as `.memvault-backup-*` beside the target, then lin
 
 
 def _looks_like_backup(head: bytes) -> bool:
-    return head == b"" or head.startswith(SQLITE_MAGIC)
+    # Empty, a database, or zeros: SQLite may extend the new file before page 1 is written.
+    return head.startswith(SQLITE_MAGIC) or not head.strip(b"\0")
 
 
 class Recorder(Protocol):
