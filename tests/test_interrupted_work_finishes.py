@@ -10,6 +10,7 @@ ours (a link, another name, another header) is never touched; a killed
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -36,7 +37,7 @@ def temps(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(".memvault-"))
 
 
-def kill_export_mid_write(db: Path, out: Path) -> Path:
+def kill_export_mid_write(db: Path | str, out: Path) -> Path:
     """SIGKILL `export --all -o OUT --force` once its temporary file holds plaintext."""
     for _ in range(5):  # a run that finished before it was caught is tried again
         proc = subprocess.Popen(
@@ -90,6 +91,62 @@ def test_a_killed_forced_export_beside_the_vault_is_destroyed_by_shred(
     assert not left.exists()
     assert left.name in {f["name"] for f in r.json()["files"]}
     assert sorted(p.name for p in vault_db.parent.iterdir()) == ["history.md"]
+
+
+OLD_EXPORT = '{"session_id": "s", "position": 1, "timestamp": null, "expired": false, "item": {}}\n'
+
+
+def killed_export_elsewhere(db: Path | str, tmp_path: Path) -> Path:
+    """A forced export into a folder of its own, killed mid-write: its leftover."""
+    far = tmp_path / "far-away"
+    far.mkdir()
+    out = far / "history.jsonl"
+    out.write_text(OLD_EXPORT)  # an earlier export: --force replaces only one of those
+    return kill_export_mid_write(db, out)
+
+
+def test_a_killed_forced_export_elsewhere_is_destroyed_by_the_next_export_of_the_vault(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    fill_big(vault_db)
+    left = killed_export_elsewhere(vault_db, tmp_path)
+    # The next export writes somewhere else entirely: the vault's audit trail names
+    # the folder the killed one wrote in.
+    r = run_cli("--db", str(vault_db), "export", "big", "-o", str(tmp_path / "new.md"))
+    assert r.code == 0, r
+    assert not left.exists()
+    assert temps(left.parent) == []
+    assert (left.parent / "history.jsonl").read_text() == OLD_EXPORT
+
+
+def test_a_killed_forced_export_elsewhere_is_destroyed_by_shred(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    fill_big(vault_db)
+    left = killed_export_elsewhere(vault_db, tmp_path)
+    r = run_cli("--db", str(vault_db), "--json", "shred", "--yes")
+    assert r.code == 0, r
+    assert not left.exists()
+    assert left.name in {f["name"] for f in r.json()["files"]}
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not SERVER_URL, reason="needs a PostgreSQL server (scripts/with-postgres)")
+def test_a_killed_forced_export_of_a_postgresql_vault_is_destroyed_by_shred(
+    pg_vault: Any, pg_url: str, tmp_path: Path
+) -> None:
+    import vault
+
+    async def fill() -> None:  # ~12 MB, so that the export is caught while it writes
+        s = vault.open_session("big", pg_url)
+        await s.add_items([user(f"{SECRET} {i} " + "x" * 4000) for i in range(3000)])
+
+    asyncio.run(fill())
+    left = killed_export_elsewhere(pg_url, tmp_path)
+    r = run_cli("--db", pg_url, "--json", "shred", "--yes")
+    assert r.code == 0, r
+    assert not left.exists()
+    assert left.name in {f["name"] for f in r.json()["files"]}
 
 
 def test_stale_temporary_names_that_are_not_ours_are_left_alone(

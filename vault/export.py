@@ -23,21 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from . import crypto, files, targets
+from . import backupmark, crypto, exportdirs, files, targets
 from .crypto import ItemState
-from .errors import BadInput, OperationFailed, UnknownSession
+from .errors import BadInput, OperationFailed, UnknownSession, VaultError
+from .exportdirs import MD_TITLE, TEMP_TAG
+from .exportdirs import remove_stale_exports as remove_stale_exports  # re-exported
 from .textsafe import escape_line, escape_text
 
 FORMATS = ("jsonl", "md")
-_MD_TITLE = "# memvault export\n"
-TEMP_TAG = "export"  # `--force` writes `.memvault-export-*` beside the target, then renames it
 _CHUNK = 1 << 16  # bytes gathered before each write
 _ARGS_SHOWN = 120  # characters of a tool call's arguments in the Markdown export
 _OUTPUT_SHOWN = 300  # characters of a tool's output in the Markdown export
 # How an earlier export starts, so that --force knows it may replace the file: the
 # Markdown title, or a JSONL record as `_render` writes it (json.dumps keeps the keys'
 # order). An export with no item is an empty file.
-MD_TITLE = "# memvault export\n"
 _JSONL_START = re.compile(
     r'\{"session_id": "(?:[^"\\]|\\.)*", "position": [0-9]+, "timestamp": (?:null|"[^"]*"), '
     r'"expired": (?:true|false), "item": '
@@ -134,6 +133,12 @@ class ItemSource(Protocol):
     def sealer(self, refresh: bool = False) -> crypto.Sealer: ...
 
     def session_ids(self) -> list[str]: ...
+
+    def meta(self) -> dict[str, str]: ...
+
+    def audit_log(self) -> list[dict[str, Any]]: ...
+
+    def record(self, event: str, kid: str | None, **details: Any) -> None: ...
 
     def opened_items(
         self,
@@ -257,10 +262,17 @@ def run_export(
             stream.write(chunk)
         stream.flush()
         return result
-    # A killed `--force` run left its plaintext beside its target: this run cleans up.
-    remove_stale_exports(plan.path.absolute().parent)
-    if isinstance(vault.path, Path):
-        remove_stale_exports(vault.path.absolute().parent)
+    # Killed `--force` runs of this vault left plaintext beside their targets, wherever
+    # those were (the audit trail names the folders): this run cleans up.
+    folder = plan.path.absolute().parent
+    try:
+        known = exportdirs.recorded(vault.audit_log())
+    except VaultError:
+        known = set()
+    beside_vault = {vault.path.absolute().parent} if isinstance(vault.path, Path) else set()
+    exportdirs.clean({folder} | known | beside_vault)
+    if plan.force and folder not in known and not backupmark.is_backup(vault.meta()):
+        vault.record(exportdirs.EVENT, None, to=str(folder))  # before the first byte
     try:
         files.write_private(plan.path, chunks, replace=plan.force, tag=TEMP_TAG)
     except FileExistsError:  # appeared since the plan was checked
@@ -272,19 +284,6 @@ def run_export(
             f"cannot write {plan.path} ({exc.strerror}); no export was written"
         ) from None
     return result
-
-
-def _looks_like_export(head: bytes) -> bool:
-    """An export's first bytes, or none (a writer killed before its first write)."""
-    return head == b"" or head.startswith((b'{"session_id": ', _MD_TITLE.encode()))
-
-
-def remove_stale_exports(folder: Path) -> list[dict[str, Any]]:
-    """Destroy the plaintext that killed `export --force` runs left in `folder`.
-
-    Only files memvault made there and no live export is writing (files.stale_temps).
-    """
-    return files.remove_stale_temps(folder, TEMP_TAG, _looks_like_export)
 
 
 def _chunks(pieces: Iterable[str]) -> Iterator[bytes]:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import crypto, keyjournal, pgkept, testhooks
+from . import crypto, exportdirs, keyjournal, pgkept, testhooks
 from .db import parse_ttl
 from .errors import KeyProblem, OperationFailed, VaultBusy
 from .files import Progress
@@ -319,6 +319,14 @@ def shred(vault: PgVault) -> dict[str, Any]:
             await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
             testhooks.failpoint("pg-shred-after-vacuum")
             async with conn.transaction():
+                # The audit trail goes with the tables: first, where forced exports wrote.
+                rows = []
+                if await conn.fetchval("SELECT to_regclass('memvault_audit')") is not None:
+                    rows = await conn.fetch(
+                        "SELECT event, details FROM memvault_audit WHERE event = $1",
+                        exportdirs.EVENT,
+                    )
+                folders = exportdirs.recorded({"event": e, **json.loads(d)} for e, d in rows)
                 for table in VAULT_TABLES:
                     await conn.execute(f"DROP TABLE IF EXISTS {table}")
                 await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
@@ -334,7 +342,8 @@ def shred(vault: PgVault) -> dict[str, Any]:
                 "the vault's keys are already destroyed (its rows can never be read again); "
                 "fix that, then run `memvault shred` again to finish",
             ) from None
-        report["files"] = []
+        # A killed `export --force` of this vault may have left plaintext where it wrote.
+        report["files"] = exportdirs.clean(folders)
         report["files_note"] = PG_SHRED_FILES_NOTE
         report["at"] = utcnow()
         return report

@@ -19,13 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import backupmark, files, keyjournal, paths, restorestate, testhooks
+from . import backupmark, exportdirs, files, keyjournal, paths, restorestate, testhooks
 from .db import (
     SCRUB_WAIT,
     check_header,
     connect,
     is_busy,
     is_damage,
+    peek,
     read_header,
     read_meta,
     set_meta,
@@ -351,6 +352,8 @@ def shred(
         report.update(_read_stamp(path))
         report["resumed"] = True
     else:
+        # Read before the rows go, and kept in the stamp for a resumed run.
+        report["export_folders"] = _export_folders(path)
         try:
             try:
                 check_header(path)
@@ -363,7 +366,7 @@ def shred(
         testhooks.failpoint("shred-after-rows")
     stamp_fields = (
         *("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid"),
-        *("backup_of", "keys_kept"),
+        *("backup_of", "keys_kept", "export_folders"),
     )
     stamp_bytes = (
         SHRED_MAGIC + json.dumps({k: report.get(k) for k in stamp_fields}).encode() + b"\n"
@@ -388,13 +391,20 @@ def shred(
             f"could not overwrite or remove {exc.filename or path} ({exc.strerror}); the key is "
             "already destroyed; fix the cause and run `memvault shred` again"
         ) from None
-    # A killed `export --force` of this vault may have left plaintext beside it. (Imported
-    # here: `status` and `sessions` import this module and must not pay for the export.)
-    from .export import remove_stale_exports
-
-    report["files"] = done + removed + remove_stale_exports(path.absolute().parent)
+    # A killed `export --force` of this vault may have left plaintext beside it, or in a
+    # folder its audit trail named.
+    folders = {path.absolute().parent} | {Path(f) for f in report.get("export_folders") or []}
+    report["files"] = done + removed + exportdirs.clean(folders)
     report["at"] = utcnow()
     return report
+
+
+def _export_folders(path: Path) -> list[str]:
+    """The folders forced exports of this vault wrote in (vault.exportdirs); none when
+    the file cannot be read."""
+    with contextlib.suppress(sqlite3.Error, OSError), contextlib.closing(peek(path, 1.0)) as conn:
+        return sorted(str(f) for f in exportdirs.recorded_in_file(conn))
+    return []
 
 
 def regular_files(path: Path) -> list[tuple[Path, int]]:
