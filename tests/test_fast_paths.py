@@ -65,7 +65,13 @@ def test_split_envelope_reads_sealed_rows_and_leaves_the_rest_to_json() -> None:
     assert OLD.open("s", tampered, None).state is crypto.ItemState.UNREADABLE
 
 
-@pytest.mark.parametrize("ts", [0, 1, 1_700_000_000, int(time.time()), 2**36 - 1])
+# Named ids: a parameter's value as its id would differ between two collections (parallel
+# workers must collect the same tests), since one of them is the current time.
+@pytest.mark.parametrize(
+    "ts",
+    [0, 1, 1_700_000_000, int(time.time()), 2**36 - 1],
+    ids=["zero", "one", "fixed", "now", "max"],
+)
 def test_rotated_row_matches_multifernet_rotate(ts: int) -> None:
     item = {"role": "user", "content": "naïve ünïcode " * 20}
     row = OLD.seal("s", item, ts)
