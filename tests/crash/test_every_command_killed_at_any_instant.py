@@ -49,7 +49,7 @@ from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 from vault.store import Vault, shred
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.crash]
 
 TTL = 30 * 86400
 KILLED = -signal.SIGKILL

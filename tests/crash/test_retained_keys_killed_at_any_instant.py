@@ -27,6 +27,8 @@ from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 from vault.store import Vault, shred
 
+pytestmark = pytest.mark.crash
+
 N_ITEMS = 600
 N_SESSIONS = 6
 N_RANDOM_KILLS = 8

@@ -39,6 +39,8 @@ from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 from vault.store import Vault, shred
 
+pytestmark = pytest.mark.crash
+
 ROOT = Path(__file__).resolve().parents[2]
 N_ITEMS = 10_000
 N_SESSIONS = 25

@@ -426,6 +426,7 @@ def test_writers_never_wait_longer_than_one_batch_of_the_rotation(url: str, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.crash
 def test_sigkill_of_rotate_at_random_instants_loses_nothing_and_resumes(
     url: str,
 ) -> None:
