@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import assistant, raw_bytes, run_cli, user
 from vault.demo import user_texts
 
@@ -66,6 +68,7 @@ def texts_of(found: list[Any]) -> list[str]:
 
 
 # --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_second_run_resumes_the_first(vault: Any, vault_db: Path, tmp_path: Path) -> None:
     log1, log2 = tmp_path / "run1.jsonl", tmp_path / "run2.jsonl"
     r1 = chat("carnet", [f"My code name is {CODE}.", "/exit"], log1)

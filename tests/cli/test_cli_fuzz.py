@@ -230,6 +230,7 @@ def check(code: int, out: str, err: str, what: Any) -> None:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
+@pytest.mark.slow
 def test_generated_command_lines_in_process(world: World, data: st.DataObject) -> None:
     from vault.cli import cli
 

@@ -133,6 +133,7 @@ def test_restore_does_not_import_agents(vault: Any, vault_db: Path, tmp_path: Pa
     assert mods == []
 
 
+@pytest.mark.slow
 def test_probe_detects_an_agents_import(vault: Any) -> None:
     # Control: the probe sees the SDK when a command does load it.
     code, mods = probe("demo", "--help")

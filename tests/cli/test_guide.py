@@ -15,6 +15,7 @@ from tests.conftest import ROOT, keyring_entries, raw_bytes, run_cli
 from tests.conftest import guide_step as step
 
 
+@pytest.mark.slow
 def test_four_checks(vault: Any, vault_db: Path) -> None:
     # 1. A turn stores the code name; the process exits; the file stays.
     out = step("write", vault_db)
@@ -59,6 +60,7 @@ def test_offline_model_answers_only_from_history() -> None:
     assert CODE not in offline_answer([{"role": "user", "content": "which code?"}])
 
 
+@pytest.mark.slow
 def test_demo_command_passes_and_cleans_up(tmp_path: Path) -> None:
 
     r = run_cli("demo", timeout=600, env={"TMPDIR": str(tmp_path)})

@@ -278,6 +278,7 @@ def test_short_passphrase_rules_still_apply(vault: Any, tmp_path: Path) -> None:
     assert "shorter than 12 characters" in r.err and "short\n" not in r.out
 
 
+@pytest.mark.slow
 def test_import_with_stdin_passphrase_needs_yes_for_the_question(
     vault: Any, tmp_path: Path
 ) -> None:

@@ -13,6 +13,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import authenticated_counts, run_cli
 from tests.crashkit import (
     header_pages,
@@ -34,6 +36,7 @@ def read_back(db: Path, sid: str) -> list[Any]:
     return items
 
 
+@pytest.mark.slow
 def test_a_checkpoint_killed_after_page_one_leaves_a_usable_vault(
     vault: Any, vault_db: Path
 ) -> None:
@@ -62,6 +65,7 @@ def test_a_checkpoint_killed_after_page_one_leaves_a_usable_vault(
     assert not vault_db.exists()
 
 
+@pytest.mark.slow
 def test_every_command_opens_a_vault_whose_wal_holds_the_missing_pages(
     vault: Any, vault_db: Path
 ) -> None:
@@ -79,6 +83,7 @@ def test_every_command_opens_a_vault_whose_wal_holds_the_missing_pages(
         assert read_back(vault_db, "agent") == writer_items("agent", 0, acked, SIZE), args
 
 
+@pytest.mark.slow
 def test_a_truncated_file_is_refused_even_beside_a_wal(vault: Any, vault_db: Path) -> None:
     """The WAL holds recent pages only: the ones cut off the file are lost, and said so."""
     acked = run_writer_to_death(vault_db, "agent", 0, 300, SIZE)

@@ -23,6 +23,9 @@ import pytest
 from tests.conftest import ROOT, insert_sealed, run_cli, user
 from tests.pgserver import SERVER_URL
 
+# Kills timed against a running export: one at a time, with the other kill campaigns.
+pytestmark = [pytest.mark.slow, pytest.mark.crash]
+
 KILLED = -signal.SIGKILL
 SECRET = "plaintext-marker-7731"
 

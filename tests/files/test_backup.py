@@ -181,6 +181,7 @@ def test_a_backup_taken_while_another_process_writes_is_consistent(
     assert (expired, unreadable) == (0, 0)
 
 
+@pytest.mark.slow
 def test_a_backup_holds_no_residue_of_items_cleared_before_it(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -205,6 +205,8 @@ def test_a_restore_killed_at_each_step_leaves_one_whole_vault(
     assert contents(vault_db) == ["one"]
 
 
+@pytest.mark.slow
+@pytest.mark.crash
 def test_a_restore_killed_at_random_instants_leaves_one_whole_vault(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:
@@ -234,6 +236,7 @@ def test_a_restore_killed_at_random_instants_leaves_one_whole_vault(
     print(f"seed {seed}: {outcomes}")
 
 
+@pytest.mark.slow
 def test_after_a_restore_shred_still_destroys_the_replaced_vaults_keys(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -88,6 +88,7 @@ def crashed_vault_writer(db: Path, items: list[Any]) -> None:
 
 
 @pytest.mark.parametrize("point", ["shred-after-key", "shred-after-rows", "shred-during-overwrite"])
+@pytest.mark.slow
 def test_shred_killed_half_way_is_finished_by_the_next_run(
     vault: Any, vault_db: Path, point: str
 ) -> None:

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import ROOT, add_items, user
 from tests.files.test_import import make_plain
 
@@ -101,6 +103,7 @@ asyncio.run(go())
 """
 
 
+@pytest.mark.slow
 def test_every_connection_memvault_opens_keeps_temporary_data_in_memory(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

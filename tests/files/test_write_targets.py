@@ -233,6 +233,7 @@ def commands(target: str, force: bool) -> list[list[str]]:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
+@pytest.mark.slow
 def test_every_writing_command_refuses_every_spelling_of_a_vault_file(
     world: World, data: st.DataObject
 ) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import (
     add_items,
     assistant,
@@ -51,6 +53,7 @@ def live_and_backup(vault: Any, vault_db: Path, tmp_path: Path) -> tuple[Path, s
     return backup, old_kid, new_kid
 
 
+@pytest.mark.slow
 def test_an_old_kit_restored_into_a_backup_leaves_the_live_vault_working(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
@@ -68,6 +71,7 @@ def test_an_old_kit_restored_into_a_backup_leaves_the_live_vault_working(
         assert crypto.key_id(key) == name.rsplit("/", 1)[1]
 
 
+@pytest.mark.slow
 def test_shred_destroys_the_keys_of_every_copy_it_knows(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
@@ -85,6 +89,7 @@ def test_shred_destroys_the_keys_of_every_copy_it_knows(
     assert "NORD-42" not in r.out + r.err
 
 
+@pytest.mark.slow
 def test_revoke_destroys_every_recorded_key_version(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
@@ -107,6 +112,7 @@ def test_any_number_of_rotations_leave_one_entry(vault: Any, vault_db: Path) -> 
     assert list(keyring_entries(vault.vault_id)) == [f"{vault.vault_id}/{kid}"]
 
 
+@pytest.mark.slow
 def test_key_list_shows_each_version_its_state_and_entry_never_a_key(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

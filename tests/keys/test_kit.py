@@ -73,6 +73,7 @@ def copy_vault(src: Path, dest: Path) -> None:
 
 
 # --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_new_laptop_round_trip(vault: Any, vault_db: Path, tmp_path: Path) -> None:
     add_items(vault_db, "carnet-local", HISTORY)
     key = keyring_key(vault)
@@ -133,6 +134,7 @@ def test_wrong_passphrase(vault: Any, tmp_path: Path) -> None:
     assert vault.keystore.get(key_entry(vault)) == key
 
 
+@pytest.mark.slow
 def test_tampered_kit(vault: Any, tmp_path: Path) -> None:
     key = keyring_key(vault)
     kit = tmp_path / "kit.json"
@@ -247,6 +249,7 @@ def test_kit_from_another_vault(vault: Any, tmp_path: Path) -> None:
         shred(other_db)
 
 
+@pytest.mark.slow
 def test_kit_from_before_a_rotation(vault: Any, vault_db: Path, tmp_path: Path) -> None:
     add_items(vault_db, "carnet-local", HISTORY)
     old_kid = vault.meta()["kid"]

@@ -94,6 +94,7 @@ print(json.dumps(results))
 
 
 @pytest.mark.secret_service
+@pytest.mark.slow
 def test_with_a_locked_keyring_every_command_needing_the_key_exits_4(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_IN_PRIVATE_KEYRING"}
     env["PYTHONPATH"] = str(ROOT)

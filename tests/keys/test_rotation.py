@@ -764,6 +764,7 @@ def test_revoke_without_yes_and_without_tty_aborts(vault: Vault, vault_db: Path)
 
 
 @pytest.mark.parametrize("how", ["--yes", "confirmed"])
+@pytest.mark.slow
 def test_revoke_destroys_current_and_pending_key(vault: Vault, vault_db: Path, how: str) -> None:
     populate(vault_db)
     vault_id = vault.vault_id
@@ -793,6 +794,7 @@ def test_revoke_destroys_current_and_pending_key(vault: Vault, vault_db: Path, h
 
 
 @pytest.mark.parametrize("point", ["revoke-after-mark", "after-destroy-entry"])
+@pytest.mark.slow
 def test_revoke_killed_half_way_then_run_again_finishes(
     vault: Vault, vault_db: Path, point: str
 ) -> None:

@@ -141,6 +141,7 @@ def test_readme_shows_the_script_and_the_keyring_error_points_to_it() -> None:
     assert f'README.md, "{SECTION}"' in keys._SECRET_SERVICE_FIX
 
 
+@pytest.mark.slow
 def test_the_key_persists_across_sessions_under_the_same_passphrase(
     headless: Headless, home: Path, passfile: Path, tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import keyring
+import pytest
 from agents import SQLiteSession
 
 import vault as vault_pkg
@@ -152,6 +153,7 @@ def key_spellings(keys: set[str]) -> set[str]:
     return out
 
 
+@pytest.mark.slow
 def test_no_output_or_error_ever_contains_any_key_version(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

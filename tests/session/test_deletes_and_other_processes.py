@@ -331,6 +331,7 @@ def test_compaction_session_over_a_vault_session(vault: Any, vault_db: Path, ttl
 
 # -- 6. a garbage TTL in the file ------------------------------------------------
 @pytest.mark.parametrize("raw", ["soon", "-5", ""])
+@pytest.mark.slow
 def test_garbage_ttl_in_the_file_is_one_clear_line(vault: Any, vault_db: Path, raw: str) -> None:
     add_items(vault_db, "s", [user("one")])
     conn = sqlite3.connect(vault_db)
