@@ -105,6 +105,7 @@ def test_without_openai_api_key_exit_4_one_line(vault: Any) -> None:
     assert vault.session_ids() == []
 
 
+@pytest.mark.slow
 def test_undo_removes_the_reply_and_the_message(vault: Any, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
     r = chat("carnet", ["/undo", "first", "second", "/undo", "third", "/exit"], log)
@@ -121,6 +122,7 @@ def test_undo_removes_the_reply_and_the_message(vault: Any, tmp_path: Path) -> N
     assert user_texts(calls(log)[-1]) == ["first", "third"]
 
 
+@pytest.mark.slow
 def test_clear_empties_the_session(vault: Any, vault_db: Path, tmp_path: Path) -> None:
     from tests.conftest import add_items
 
@@ -137,6 +139,7 @@ def test_clear_empties_the_session(vault: Any, vault_db: Path, tmp_path: Path) -
     assert [e for e in vault.audit_log() if e["event"] == "clear"][0]["items"] == 2
 
 
+@pytest.mark.slow
 def test_a_failed_model_call_leaves_the_history_whole(vault: Any, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
     r = chat("carnet", ["hello", "please FAIL now", "still there?", "/exit"], log)

@@ -233,6 +233,7 @@ def test_passphrase_file_contents_refused(
     assert not kit.exists()
 
 
+@pytest.mark.slow
 def test_only_one_trailing_newline_is_removed_and_spaces_are_kept(
     vault: Any, tmp_path: Path
 ) -> None:

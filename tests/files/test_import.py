@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import ROOT, add_items, assistant, raw_bytes, run_cli, run_on_terminal, user
 
 MARK = "PLAINTEXT-MARK-7731"
@@ -391,6 +393,7 @@ def _crashed_writer(path: Path, items: list[Any]) -> None:
     )
 
 
+@pytest.mark.slow
 def test_shred_source_leaves_no_file_and_no_plaintext(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -191,6 +191,7 @@ STEPS = {  # the named step, and whose contents the vault holds after a kill the
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.slow
 def test_a_restore_killed_at_each_step_leaves_one_whole_vault(
     vault: Vault, vault_db: Path, tmp_path: Path, step: str
 ) -> None:

@@ -70,6 +70,7 @@ LAYOUTS = ["", "mid_rotation"]
 
 
 @pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
+@pytest.mark.slow
 def test_a_0_1_0_vault_reads_every_item(old_vault: OldVault) -> None:
     db, expected = old_vault.db, old_vault.expected
     total = sum(len(items) for items in expected.values())

@@ -144,6 +144,7 @@ def test_a_link_or_a_detour_to_the_vault_is_the_vault(filled: Path, tmp_path: Pa
     still_readable(filled)
 
 
+@pytest.mark.slow
 def test_force_replaces_a_kit_of_this_vault_only(filled: Path, tmp_path: Path) -> None:
     ours = tmp_path / "ours.json"
     assert run_cli("key", "export", "--passphrase-stdin", str(ours), input=PASS).code == 0

@@ -103,6 +103,7 @@ def test_revoke_destroys_every_recorded_key_version(
         assert r.code == 4 and "NORD-42" not in r.out, r
 
 
+@pytest.mark.slow
 def test_any_number_of_rotations_leave_one_entry(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("one")])
     for _ in range(3):

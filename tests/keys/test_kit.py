@@ -307,6 +307,7 @@ def test_import_leaves_a_working_key_alone(vault: Any, tmp_path: Path) -> None:
     no_secret(key, r)
 
 
+@pytest.mark.slow
 def test_import_replaces_a_damaged_entry_of_its_key(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
@@ -337,6 +338,7 @@ def test_import_replaces_a_damaged_entry_of_its_key(
     assert event["replaced_kid"] == crypto.key_id(stranger)
 
 
+@pytest.mark.slow
 def test_export_refusals(vault: Any, tmp_path: Path) -> None:
     key = keyring_key(vault)
     kit = tmp_path / "kit.json"

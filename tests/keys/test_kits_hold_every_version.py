@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tests.cli.test_ctrl_c import interrupt, rotate_until_paused
@@ -29,6 +30,7 @@ from vault import crypto, kit
 from vault.keyjournal import entry_name
 
 
+@pytest.mark.slow
 def test_a_kit_holds_the_pending_version_of_a_rotation_under_way(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
@@ -58,6 +60,7 @@ def test_a_kit_holds_the_pending_version_of_a_rotation_under_way(
         no_secret(key, r)
 
 
+@pytest.mark.slow
 def test_one_kit_opens_the_live_vault_and_a_cp_copy_made_before_a_rotation(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
@@ -111,6 +114,7 @@ def test_an_old_single_key_kit_still_imports(vault: Any, vault_db: Path, tmp_pat
     assert vault.keystore.get(key_entry(vault)) == key
 
 
+@pytest.mark.slow
 def test_unknown_kit_versions_and_edited_key_lists_are_refused(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -121,6 +121,7 @@ def test_concurrent_writers_lose_no_entry(tmp_path: Path) -> None:
     assert len(json.loads(store.read_text())["svc"]) == 4 * 60
 
 
+@pytest.mark.slow
 def test_outside_scripts_test_the_memory_keyring_is_used_and_secret_service_tests_skip() -> None:
     proc = run_probes(env_without(*OWN_VARS))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -145,6 +145,7 @@ def test_key_forget_refuses_a_version_that_is_not_retained(vault: Any, vault_db:
     assert entry_name(vault.vault_id, kid) in keyring_entries(vault.vault_id)
 
 
+@pytest.mark.slow
 def test_revoke_and_shred_destroy_retained_versions_too(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -36,6 +36,7 @@ def file_kid(db: Path) -> str:
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_rotation_after_a_deferred_clean_up_never_loses_the_files_key(
     vault: Any, vault_db: Path
 ) -> None:

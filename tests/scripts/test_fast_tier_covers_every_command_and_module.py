@@ -12,6 +12,7 @@ Imports for type checking only (`if TYPE_CHECKING:`) do not count.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import pkgutil
 import subprocess
@@ -26,6 +27,7 @@ from tests.conftest import ROOT
 FAST = "not slow and not crash and not postgres"
 
 
+@functools.cache  # one collection for both tests
 def fast_tier_files() -> list[Path]:
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_TEST_POSTGRES_URL"}
     proc = subprocess.run(
