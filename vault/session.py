@@ -4,7 +4,7 @@ This is the only module that imports `agents` (about 2 s), and only when an
 agent session is actually opened.
 
 SDK internals this module relies on (all private or undocumented, as of
-openai-agents 0.24). tests/test_compat.py checks each one's signature and
+openai-agents 0.24). tests/session/test_compat.py checks each one's signature and
 behaviour, and that this list names every one the code here touches, so raising
 the `openai-agents` pin in pyproject.toml is a deliberate step:
 

@@ -1,0 +1,69 @@
+"""A vault made by memvault 0.2.0 (its file and its keyring entry) still reads, and moves
+to this version's format on its first open, so that 0.2 refuses it afterwards (0.2's
+start-up tidy would destroy the key versions this version keeps for backups)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+from tests.conftest import run_cli
+from vault.keys import KeyStore
+from vault.schema import FORMAT
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v0_2_0"
+
+
+class OldVault(NamedTuple):
+    db: Path
+    expected: Any
+
+
+def meta_of(db: Path) -> dict[str, str]:
+    conn = sqlite3.connect(db)
+    try:
+        return dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def old_vault(tmp_path: Path) -> Iterator[OldVault]:
+    entries: dict[str, str] = json.loads((FIXTURE / "keyring.json").read_text())
+    expected = json.loads((FIXTURE / "expected.json").read_text(encoding="utf-8"))
+    folder = tmp_path / "old"
+    folder.mkdir(mode=0o700)
+    copy = folder / "history.db"
+    shutil.copyfile(FIXTURE / "history.db", copy)
+    copy.chmod(0o600)
+    ks = KeyStore()
+    for name, secret in entries.items():
+        ks.set(name, secret)
+    try:
+        yield OldVault(copy, expected)
+    finally:
+        for name in entries:
+            ks.delete(name)
+
+
+def test_a_0_2_0_vault_reads_every_item_and_moves_to_the_current_format(
+    old_vault: OldVault,
+) -> None:
+    db, expected = old_vault.db, old_vault.expected
+    assert meta_of(db)["format"] == "memvault/2"
+    for sid, items in expected.items():
+        r = run_cli("--db", str(db), "--json", "show", sid)
+        assert r.code == 0, r
+        assert r.json()["items"] == items, r.out
+    assert meta_of(db)["format"] == FORMAT == "memvault/3"
+    r = run_cli("--db", str(db), "--json", "verify")
+    assert r.code == 0, r
+    r = run_cli("--db", str(db), "--json", "key", "list")
+    assert r.code == 0, r
+    assert [k["state"] for k in r.json()["keys"]] == ["destroyed", "current"], r.out
