@@ -82,6 +82,25 @@ def peek(path: Path, timeout: float) -> sqlite3.Connection:
     return conn
 
 
+def lock_exclusively(conn: sqlite3.Connection, path: Path, then: str) -> None:
+    """Begin a transaction holding the file's exclusive lock until `conn` closes.
+
+    In exclusive locking mode the lock outlives every commit, and it cannot be taken
+    while any other connection has the file open: VaultBusy (exit 5) then says what
+    the user does `then` ("run shred again; nothing was destroyed").
+    """
+    conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+    try:
+        conn.execute("BEGIN EXCLUSIVE")
+    except sqlite3.OperationalError as exc:
+        if is_busy(exc):
+            raise VaultBusy(
+                f"{path} is in use by another process; close the agents and commands using "
+                f"it, then {then}"
+            ) from None
+        raise
+
+
 def configure(conn: sqlite3.Connection, timeout: float) -> None:
     """Pragmas every vault connection uses (the SDK session's connections too)."""
     conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")

@@ -35,7 +35,16 @@ from typing import Any
 
 from . import backupmark, files, keyjournal, paths, retention, targets, testhooks
 from .backup import vacuum_copy
-from .db import SCRUB_WAIT, audit, connect, is_busy, peek, read_meta, set_meta, sqlite_errors
+from .db import (
+    SCRUB_WAIT,
+    audit,
+    connect,
+    lock_exclusively,
+    peek,
+    read_meta,
+    set_meta,
+    sqlite_errors,
+)
 from .errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from .keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
 from .restorestate import destroy_with_sides, finish, finish_locked, folder_lock, state_names
@@ -237,16 +246,7 @@ def _exclusive(live: Path) -> Iterator[sqlite3.Connection]:
         conn = connect(live, timeout=SCRUB_WAIT)
     try:
         with sqlite_errors(live):
-            conn.execute("PRAGMA locking_mode = EXCLUSIVE")  # kept until close
-            try:
-                conn.execute("BEGIN EXCLUSIVE")
-            except sqlite3.OperationalError as exc:
-                if is_busy(exc):
-                    raise VaultBusy(
-                        f"{live} is in use by another process; close the agents and commands "
-                        "using it, then run restore again; nothing was changed"
-                    ) from None
-                raise
+            lock_exclusively(conn, live, "run restore again; nothing was changed")
             conn.execute("COMMIT")
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             yield conn

@@ -24,8 +24,8 @@ from .db import (
     SCRUB_WAIT,
     check_header,
     connect,
-    is_busy,
     is_damage,
+    lock_exclusively,
     peek,
     read_header,
     read_meta,
@@ -33,7 +33,7 @@ from .db import (
     sqlite_errors,
     translate,
 )
-from .errors import NotAVault, OperationFailed, VaultBusy, VaultCorrupt, VaultError
+from .errors import NotAVault, OperationFailed, VaultCorrupt, VaultError
 from .files import Progress
 from .keys import KeyStore
 from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SHRED_MAGIC, SQLITE_MAGIC, utcnow
@@ -160,18 +160,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
     try:
         with sqlite_errors(path):
             try:
-                # Exclusive locking mode: the lock is kept until close, and it cannot be
-                # taken while any other connection has the file open.
-                conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-                try:
-                    conn.execute("BEGIN EXCLUSIVE")
-                except sqlite3.OperationalError as exc:
-                    if is_busy(exc):
-                        raise VaultBusy(
-                            f"{path} is in use by another process; close the agents and "
-                            "commands using it, then run shred again; nothing was destroyed"
-                        ) from None
-                    raise
+                lock_exclusively(conn, path, "run shred again; nothing was destroyed")
                 meta = read_meta(conn, path)
                 vault_id = meta["vault_id"]
                 kid = meta.get("revoked_kid", meta["kid"])
