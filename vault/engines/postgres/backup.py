@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vault.engines.postgres import rotate as pgrotate
 from vault.engines.postgres import schema as pgschema
 from vault.engines.sqlite import backup as file_backup
+from vault.engines.sqlite import filecopy
 from vault.engines.sqlite.db import connect, sqlite_errors
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
 from vault.errors import KeyRevoked, OperationFailed, VaultBusy
@@ -46,7 +47,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     rec, (kid, vault_id, sessions, items) = file_backup.recorded_copy(
         vault,
         target,
-        lambda rec, keep: file_backup.write_new_copy(
+        lambda rec, keep: filecopy.write_new_copy(
             target,
             lambda dest: _copy(vault, dest),
             file_backup.mark_as_backup(meta["vault_id"], rec.backup_id, str(vault.path)),

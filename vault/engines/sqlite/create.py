@@ -22,7 +22,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vault import crypto, durations, files, keyjournal, paths, targets, testhooks
+from vault import crypto, durations, erase, files, keyjournal, paths, targets, testhooks
 from vault.engines.sqlite.db import audit
 from vault.engines.sqlite.schema import FORMAT, SQLITE_MAGIC, migrate, utcnow
 from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
@@ -55,7 +55,7 @@ def _looks_like_init(head: bytes) -> bool:
 def _destroy_with_side_files(tmp: Path) -> None:
     for p in paths.sidecars(tmp):
         with contextlib.suppress(OSError):
-            files.destroy(p)
+            erase.destroy(p)
 
 
 def reclaim_interrupted(folder: Path, target: Path, keystore: KeyStore | None) -> int:
