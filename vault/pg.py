@@ -6,8 +6,8 @@ same meta, audit and key-journal rows (vault.pgschema). Supported so far:
 `init`, `status`, `sessions`, `show`, `clear`, `rotate` (online, vault.pgrotate),
 `purge`, `pop`, `ttl`, `log`, `revoke`, `shred`, `key list/export/import`
 (vault.pgadmin), `export`, `search`, `verify` (vault.pgread), `backup` (vault.pgbackup),
-`import` (vault.pgimport) and agent sessions (vault.pgsession). Every other command refuses a URL in
-`paths.resolve_db_path`.
+`restore` (vault.pgrestore), `import` (vault.pgimport) and agent sessions
+(vault.pgsession). Every other command refuses a URL in `paths.resolve_db_path`.
 
 The library is synchronous, as `Vault` is; each operation opens one asyncpg
 connection and runs on an event loop of its own (vault.pgbase, vault.pgconn).
