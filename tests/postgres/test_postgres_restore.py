@@ -234,6 +234,12 @@ def test_a_restore_refuses_a_backup_this_keyring_cannot_open(
     assert journal(pg_url)[old_kid] == "destroyed"
 
 
+def test_a_restore_refuses_a_revoked_vault(pg_vault: Any, pg_url: str, tmp_path: Path) -> None:
+    b, _kid = backed_up(pg_url, tmp_path)
+    assert run_cli("--db", pg_url, "revoke", "--yes").code == 0
+    assert "revoked" in refused(pg_url, b, 4)
+
+
 def test_a_restore_refuses_while_a_rotation_is_cut_off_and_runs_once_it_is_finished(
     pg_vault: Any, pg_url: str, tmp_path: Path
 ) -> None:
