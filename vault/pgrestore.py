@@ -6,7 +6,7 @@ authenticates with the key this keyring holds for B's key id (B's kid is current
 or retained because B is recorded, or put back with `key import`). `restore` then,
 holding the vault's admin lock (the one rotate, purge, revoke and shred take):
 
-1. ends what a cut-off rotation or restore left (vault.pgkept.settle_leftovers);
+1. ends what a cut-off rotation or restore left (vault.engines.postgres.kept.settle_leftovers);
 2. in ONE transaction: waits for the writes in flight and holds new ones (the tables
    locked EXCLUSIVE: readers go on), deletes every session and item, sets the meta's
    `kid` to B's, records B's version `current` and the replaced one `retired`, inserts
@@ -33,21 +33,22 @@ import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import backupmark, paths, pgkept, retention, testhooks
-from .crypto import ItemState, Sealer
-from .db import peek, sqlite_errors
-from .errors import BadInput, KeyProblem, OperationFailed
-from .keyjournal import CURRENT, RETIRED
-from .pgbackup import refuse_unsettled
-from .pglock import admin_lock
-from .pgschema import audit, current_schema, record_key
-from .restore import RestorePlan
-from .schema import MESSAGES_TABLE, SESSIONS_TABLE
-from .store import Vault
-from .verify import BATCH, verify
+from vault import backupmark, paths, retention, testhooks
+from vault.crypto import ItemState, Sealer
+from vault.engines.postgres import kept as pgkept
+from vault.engines.postgres.backup import refuse_unsettled
+from vault.engines.postgres.lock import admin_lock
+from vault.engines.postgres.schema import audit, current_schema, record_key
+from vault.engines.sqlite.db import peek, sqlite_errors
+from vault.engines.sqlite.restore import RestorePlan
+from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
+from vault.engines.sqlite.vault import Vault
+from vault.errors import BadInput, KeyProblem, OperationFailed
+from vault.keyjournal import CURRENT, RETIRED
+from vault.verify import BATCH, verify
 
 if TYPE_CHECKING:
-    from .pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
 REVOKED = "its backups can no longer be read either"
 THEN = "restore"

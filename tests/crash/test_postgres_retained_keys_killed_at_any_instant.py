@@ -64,7 +64,7 @@ def rotation(url: str, delay: float | None, from_switch: bool) -> tuple[int, boo
 def test_a_url_rotation_killed_at_random_instants_keeps_every_item_and_the_backups_key(
     pg_url: str, tmp_path: Path
 ) -> None:
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     seed = int(os.environ.get("MEMVAULT_PG_KILL_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)

@@ -283,8 +283,8 @@ def bulk_write(url: str, start: int, count: int, expected: dict[str, list[str]])
     """`count` items sealed under the vault's key, one transaction (the guard checks each)."""
     import asyncpg
 
-    from vault.pg import PgVault
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
+    from vault.engines.postgres.vault import PgVault
 
     sealer = PgVault.open(url).sealer()
     records = []
@@ -314,7 +314,7 @@ def bulk_write(url: str, start: int, count: int, expected: dict[str, list[str]])
 
 def contents(url: str) -> dict[str, list[str]]:
     """Every session's items, read in this process with the keys this keyring holds."""
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     v = PgVault.open(url)
     out = {}
@@ -347,7 +347,7 @@ def killed_restore(url: str, b: Path, failpoint: str | None, delay: float | None
 def test_a_restore_killed_at_any_instant_leaves_the_old_rows_or_the_restored_ones(
     pg_url: str, tmp_path: Path
 ) -> None:
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     seed = int(os.environ.get("MEMVAULT_PG_KILL_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
