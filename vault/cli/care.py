@@ -230,9 +230,9 @@ def restore_cmd(backup: str, yes: bool) -> None:
 
     url = postgres_url()
     if url is not None:
+        from vault.engines.postgres.restore import check as pg_check
+        from vault.engines.postgres.restore import restore as pg_restore
         from vault.engines.postgres.vault import PgVault
-        from vault.pgrestore import check as pg_check
-        from vault.pgrestore import restore as pg_restore
 
         pg = PgVault.open(url)
         plan: RestorePlan = pg_check(pg, backup)

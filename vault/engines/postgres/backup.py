@@ -7,7 +7,7 @@ FILE verify` / `show` open it with the same keyring entry, as they open a file
 vault's backup. The snapshot is one read-only REPEATABLE READ transaction, read
 in batches from a server-side cursor; the file is settled and checked as
 vault.engines.sqlite.backup settles its own copies. `memvault --db URL restore
-FILE` puts it back (vault.pgrestore).
+FILE` puts it back (`restore` here).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ envelope, kid and keyring entries (`<vault_id>/<kid>`, vault.keyjournal), the
 same meta, audit and key-journal rows (`schema` here). Supported so far: `init`,
 `status`, `sessions`, `show`, `clear`, `rotate` (online, `rotate`), `purge`, `pop`,
 `ttl`, `log`, `revoke`, `shred`, `key list/export/import` (`admin`), `export`,
-`search`, `verify` (`read`), `backup` (`backup`), `restore` (vault.pgrestore),
+`search`, `verify` (`read`), `backup` (`backup`), `restore` (`restore`),
 `import` (`importer`) and agent sessions (`session`), the modules of this package
 named in brackets. Every other command refuses a URL in `paths.resolve_db_path`.
 
