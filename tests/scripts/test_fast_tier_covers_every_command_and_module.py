@@ -1,7 +1,8 @@
 """The fast tier (`scripts/test` without --all) reaches every command and every module.
 
-Which files are in the tier is pytest's own answer (`--collect-only` with the tier's
-marks). A command is reached when a file of the tier spells its words in a row as string
+Which files are in the tier is pytest's own answer: the items this session collected when
+it is the whole fast tier (`scripts/test`), else a `--collect-only` with the tier's marks.
+A command is reached when a file of the tier spells its words in a row as string
 literals, as every test that runs one does (`run_cli("key", "export", ...)`). A module is
 reached when a file of the tier imports it or runs it (`-m vault.demo`), or a module so
 reached imports it: at load, or inside a function, since the commands import their work
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 
 import vault
 from tests.conftest import ROOT
@@ -27,8 +29,27 @@ from tests.conftest import ROOT
 FAST = "not slow and not crash and not postgres"
 
 
+def runs_the_whole_fast_tier(config: pytest.Config) -> bool:
+    """True when this session is the fast tier over the whole suite, unfiltered."""
+    opt = config.option
+    return (
+        config.getoption("markexpr", "") == FAST
+        and config.args_source is pytest.Config.ArgsSource.TESTPATHS
+        and not (opt.keyword or opt.deselect or opt.ignore or getattr(opt, "lf", False))
+    )
+
+
+@pytest.fixture(scope="module")
+def fast_files(request: pytest.FixtureRequest) -> list[Path]:
+    session = request.session
+    if runs_the_whole_fast_tier(session.config):
+        # A second collection of the whole suite costs as much as the rest of this file.
+        return sorted({ROOT / item.nodeid.split("::")[0] for item in session.items})
+    return collect_fast_tier()
+
+
 @functools.cache  # one collection for both tests
-def fast_tier_files() -> list[Path]:
+def collect_fast_tier() -> list[Path]:
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_TEST_POSTGRES_URL"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -109,10 +130,10 @@ def vault_modules() -> dict[str, ast.Module]:
     return out
 
 
-def test_every_command_is_run_by_a_fast_test() -> None:
+def test_every_command_is_run_by_a_fast_test(fast_files: list[Path]) -> None:
     from vault.cli import cli
 
-    runs = [r for f in fast_tier_files() for r in string_runs(ast.parse(f.read_text()))]
+    runs = [r for f in fast_files for r in string_runs(ast.parse(f.read_text()))]
     paths = command_paths(cli)
     assert len(paths) > 20
     missing = [
@@ -123,10 +144,10 @@ def test_every_command_is_run_by_a_fast_test() -> None:
     assert missing == [], f"no fast-tier test runs: {missing}"
 
 
-def test_every_module_is_loaded_by_a_fast_test() -> None:
+def test_every_module_is_loaded_by_a_fast_test(fast_files: list[Path]) -> None:
     modules = vault_modules()
     reached: set[str] = set()
-    for f in fast_tier_files():
+    for f in fast_files:
         tree = ast.parse(f.read_text())
         reached |= imports("tests.x", tree)
         reached |= {r[i + 1] for r in string_runs(tree) for i in range(len(r) - 1) if r[i] == "-m"}
