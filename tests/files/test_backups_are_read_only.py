@@ -83,6 +83,7 @@ def plaintext_source(path: Path) -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(WRITING))
 def test_every_writing_command_refuses_a_backup_and_changes_nothing(
     vault: Vault, vault_db: Path, tmp_path: Path, command: str

@@ -48,6 +48,7 @@ def test_after_the_death_is_not_blamed():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.secret_service
 def test_the_test_during_which_the_daemon_died_fails_and_names_it(tmp_path: Path) -> None:
     inner = tmp_path / "test_inner.py"
@@ -124,6 +125,7 @@ def test_after_the_death_is_not_blamed():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.secret_service
 def test_a_hypothesis_test_whose_daemon_dies_fails_at_once_not_as_flaky(tmp_path: Path) -> None:
     """Hypothesis replays a failing example to shrink it: against the daemon D-Bus

@@ -359,6 +359,7 @@ class SilentAtStart(Silent):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("backend", "doing"),
     [("silent.Silent", "read the vault key"), ("silent.SilentAtStart", "find the keyring backend")],
