@@ -118,6 +118,7 @@ READING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(READING))
 def test_reading_commands_work_on_a_backup(
     vault: Vault, vault_db: Path, tmp_path: Path, command: str
