@@ -13,7 +13,7 @@ from bench.common import Config, Figure, from_samples, med, record, side_by_side
 from bench.data import make_items
 from bench.procs import memvault_cmd, runner
 from bench.workspace import Workspace, fill
-from vault.store import Vault
+from vault.engines.sqlite.vault import Vault
 
 
 def bench_cli(cfg: Config, ws: Workspace) -> None:

@@ -67,7 +67,7 @@ class PgSchemas:
     def sql(self, url: str, statement: str, *args: Any) -> list[Any]:
         import asyncpg
 
-        from vault.pgurl import parse
+        from vault.engines.postgres.url import parse
 
         loc = parse(url)
 
@@ -85,7 +85,7 @@ class PgSchemas:
         vault's guard checks each row as it goes in)."""
         import asyncpg
 
-        from vault.pgurl import parse
+        from vault.engines.postgres.url import parse
 
         loc = parse(url)
 

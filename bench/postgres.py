@@ -36,7 +36,7 @@ from bench.pgserver import (
 )
 from bench.procs import memvault_cmd, timed_child, writer_during
 from bench.workspace import Workspace, build_big
-from vault.store import DEFAULT_TTL
+from vault.engines.sqlite.vault import DEFAULT_TTL
 
 
 def bench_postgres(cfg: Config, ws: Workspace) -> None:
@@ -70,8 +70,8 @@ def _pg_sessions(cfg: Config, schemas: PgSchemas) -> None:
     from sqlalchemy.ext.asyncio import create_async_engine
     from sqlalchemy.pool import NullPool
 
-    from vault.pg import PgVault
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
+    from vault.engines.postgres.vault import PgVault
 
     print("postgres: building the read/write schemas ...", flush=True)
     url = schemas.url("main")
@@ -186,7 +186,7 @@ def _pg_sessions(cfg: Config, schemas: PgSchemas) -> None:
 
 
 def _pg_writers(cfg: Config, schemas: PgSchemas, ws: Workspace) -> None:
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     url = schemas.url("writers")
     PgVault.init(url, ttl=DEFAULT_TTL)
@@ -246,7 +246,7 @@ def _pg_writers(cfg: Config, schemas: PgSchemas, ws: Workspace) -> None:
 
 
 def _pg_rotation(cfg: Config, schemas: PgSchemas, ws: Workspace) -> None:
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     n = cfg.rot_items // 5 if cfg.quick else cfg.rot_items  # quick: CI only checks it runs
     print(f"postgres: building {n:,}-item vaults (PostgreSQL and SQLite) ...", flush=True)

@@ -28,10 +28,10 @@ from bench.workspace import (
     unavailable_note,
 )
 from vault import crypto, paths
+from vault.engines.sqlite.shred import shred
+from vault.engines.sqlite.vault import Vault
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
-from vault.shred import shred
-from vault.store import Vault
 
 # Figures of the 100,000-item phase that the scale phase compares with.
 REFERENCE: dict[str, float] = {}

@@ -18,10 +18,10 @@ from typing import Any
 from bench.common import sqlcipher3
 from bench.data import chunked, make_items
 from vault import crypto
+from vault.engines.sqlite.shred import shred
+from vault.engines.sqlite.vault import DEFAULT_TTL, Vault
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
-from vault.shred import shred
-from vault.store import DEFAULT_TTL, Vault
 
 
 class Workspace:

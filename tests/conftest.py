@@ -221,7 +221,7 @@ def pg_url() -> Iterator[str]:
 
 @pytest.fixture
 def pg_vault(pg_url: str) -> Any:
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     return PgVault.init(pg_url, ttl=3600)
 
@@ -234,7 +234,7 @@ def vault(vault_db: Path) -> Iterator[Any]:
     v = Vault.init(vault_db, ttl=3600)
     yield v
     if vault_db.exists():
-        from vault.store import shred
+        from vault.engines.sqlite.vault import shred
 
         if holds_open(vault_db):
             # An SDK session the test left unclosed keeps its connection until collected:

@@ -28,7 +28,7 @@ MARKS = [
 
 
 def password() -> str:
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
 
     base = parse(SERVER_URL).dsn.split("://", 1)[1].split("@", 1)[0]
     assert ":" in base, "the test server's URL must carry a password (redaction is tested)"
@@ -39,7 +39,7 @@ def sql(url: str, *statements: str, args: tuple[Any, ...] = ()) -> list[Any]:
     """Run statements on a plain connection into the URL's schema; the last one's rows."""
     import asyncpg
 
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
 
     loc = parse(url)
 
@@ -58,7 +58,7 @@ def sql(url: str, *statements: str, args: tuple[Any, ...] = ()) -> list[Any]:
 
 
 def raw_kids(url: str) -> list[str | None]:
-    from vault.pgrotate import kid_of
+    from vault.engines.postgres.rotate import kid_of
 
     return [kid_of(r["message_data"]) for r in sql(url, "SELECT * FROM agent_messages ORDER BY id")]
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .errors import VaultError
-from .store import Vault
+from vault.engines.sqlite.vault import Vault
+from vault.errors import VaultError
 
 if TYPE_CHECKING:
     from agents import SessionSettings
 
-    from .session import VaultSession
+    from vault.engines.sqlite.session import VaultSession
 
 __all__ = ["Vault", "VaultError", "open_session", "__version__"]
 
@@ -55,17 +55,17 @@ def open_session(
     `session_settings` (e.g. `SessionSettings(limit=20)`) is passed to the
     `SQLiteSession` underneath, as `SQLiteSession(..., session_settings=...)` takes it.
     """
-    from .paths import postgres_url
+    from vault.paths import postgres_url
 
     where = postgres_url(db_path)
     if where is not None:
         # A PostgreSQL vault (preview): the same EncryptedSession, over SQLAlchemySession.
-        from .pg import PgVault
+        from vault.engines.postgres.vault import PgVault
 
         session: VaultSession = PgVault.open(where).session(
             session_id, session_settings=session_settings
         )
         return session
-    from .session import VaultSession
+    from vault.engines.sqlite.session import VaultSession
 
     return VaultSession(Vault.open(db_path), session_id, session_settings=session_settings)

@@ -1,3 +1,3 @@
-from .cli import main
+from vault.cli import main
 
 main()

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from .errors import OperationFailed
-from .schema import utcnow
+from vault.engines.sqlite.schema import utcnow
+from vault.errors import OperationFailed
 
 BACKUP_OF = "backup_of"
 BACKUP_ID = "backup_id"

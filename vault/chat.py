@@ -32,10 +32,10 @@ from typing import Any, TextIO
 from agents import Agent, Model, RunConfig, Runner
 from openai.types.responses import ResponseTextDeltaEvent
 
-from . import backupmark, paths, testhooks
-from .errors import BadInput, KeyProblem, UnknownSession, VaultError
-from .store import Vault
-from .textsafe import escape_line, escape_text
+from vault import backupmark, paths, testhooks
+from vault.engines.sqlite.vault import Vault
+from vault.errors import BadInput, KeyProblem, UnknownSession, VaultError
+from vault.textsafe import escape_line, escape_text
 
 INSTRUCTIONS = (
     "You are a helpful assistant in a terminal chat. Answer concisely. The conversation "
@@ -236,7 +236,9 @@ def run_chat(db: str | None, session_id: str, model_name: str | None) -> int:
     where = paths.postgres_url(db)
     vault: Any
     if where is not None:
-        from .pg import PgVault  # the same session, over the SDK's SQLAlchemySession
+        from vault.engines.postgres.vault import (
+            PgVault,  # the same session, over the SDK's SQLAlchemySession
+        )
 
         vault = PgVault.open(where)
     else:

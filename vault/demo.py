@@ -137,8 +137,8 @@ def _run_step(name: str, db: Path, code: str) -> dict[str, Any]:
 
 def run_demo(keep: bool = False, echo: Callable[[str], Any] = print) -> bool:
     """Walk through the four checks; True when every verdict is PASS."""
-    from .shred import shred
-    from .store import Vault
+    from vault.engines.sqlite.shred import shred
+    from vault.engines.sqlite.vault import Vault
 
     folder = Path(tempfile.mkdtemp(prefix="memvault-demo-"))
     db = folder / "carnet.db"

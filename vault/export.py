@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from . import backupmark, crypto, exportdirs, files, targets
-from .crypto import ItemState
-from .errors import BadInput, OperationFailed, UnknownSession, VaultError
-from .exportdirs import MD_TITLE, TEMP_TAG
-from .exportdirs import remove_stale_exports as remove_stale_exports  # re-exported
-from .textsafe import escape_line, escape_text
+from vault import backupmark, crypto, exportdirs, files, targets
+from vault.crypto import ItemState
+from vault.errors import BadInput, OperationFailed, UnknownSession, VaultError
+from vault.exportdirs import MD_TITLE, TEMP_TAG
+from vault.exportdirs import remove_stale_exports as remove_stale_exports  # re-exported
+from vault.textsafe import escape_line, escape_text
 
 FORMATS = ("jsonl", "md")
 _CHUNK = 1 << 16  # bytes gathered before each write

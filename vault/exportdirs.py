@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from . import files
+from vault import files
 
 EVENT = "export-folder"
 TEMP_TAG = "export"  # `--force` writes `.memvault-export-*` beside the target, then renames it

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInput, NotAVault
+from vault.errors import BadInput, NotAVault
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in after lstat must not block us
 # Flags for opening a name that `lstat` said is a regular file. O_NOFOLLOW is POSIX

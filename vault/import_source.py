@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .db import error_name, is_busy, keep_temp_in_memory
-from .errors import OperationFailed, VaultBusy
-from .schema import MESSAGES_TABLE
+from vault.engines.sqlite.db import error_name, is_busy, keep_temp_in_memory
+from vault.engines.sqlite.schema import MESSAGES_TABLE
+from vault.errors import OperationFailed, VaultBusy
 
 SESSION_COLUMNS = ("session_id", "created_at", "updated_at")
 MESSAGE_COLUMNS = ("id", "session_id", "message_data", "created_at")

@@ -37,11 +37,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import backupmark, crypto, files, paths, source_shred, targets, testhooks
-from .db import audit
-from .errors import BadInput, OperationFailed, UnknownSession
-from .files import Progress
-from .import_source import (
+from vault import backupmark, crypto, files, paths, source_shred, targets, testhooks
+from vault.engines.sqlite.db import audit
+from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
+from vault.engines.sqlite.vault import Vault
+from vault.errors import BadInput, OperationFailed, UnknownSession
+from vault.files import Progress
+from vault.import_source import (
     INTERNAL_TABLES,
     NotUTF8,
     Plan,
@@ -54,11 +56,9 @@ from .import_source import (
     open_source,
     quote_name,
 )
-from .schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
-from .store import Vault
 
 if TYPE_CHECKING:
-    from .pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
 BATCH = 500
 

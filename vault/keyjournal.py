@@ -19,9 +19,9 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-from . import crypto, testhooks
-from .keys import KeyStore
-from .schema import utcnow
+from vault import crypto, testhooks
+from vault.engines.sqlite.schema import utcnow
+from vault.keys import KeyStore
 
 PENDING, CURRENT, RETIRED, DESTROYED = "pending", "current", "retired", "destroyed"
 # Retired, but its entry kept (decrypt-only) while a recorded backup needs it (vault.retention).
@@ -30,7 +30,7 @@ STATES = (PENDING, CURRENT, RETIRED, RETAINED, DESTROYED)
 # meta `legacy_entries`: 0.1.0-style entry names an upgrade still has to delete (JSON list).
 LEGACY_MARK = "legacy_entries"
 # The meta row naming the key an unfinished online rotation moves rows from (a
-# PostgreSQL vault's; vault.pgrotate): while it exists, rows need two keys.
+# PostgreSQL vault's; vault.engines.postgres.rotate): while it exists, rows need two keys.
 ROTATING_FROM = "rotating_from"
 
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import crypto
-from .errors import (
+from vault import crypto
+from vault.errors import (
     BadInput,
     KeyMismatch,
     KeyMissing,

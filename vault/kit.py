@@ -42,12 +42,12 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-from . import crypto, files
-from .errors import BadInput, OperationFailed
-from .kitfile import KIT_FORMAT
-from .kitfile import check_kit_target as check_kit_target  # re-exported
-from .kitfile import write_kit_file as write_kit_file  # re-exported
-from .schema import utcnow
+from vault import crypto, files
+from vault.engines.sqlite.schema import utcnow
+from vault.errors import BadInput, OperationFailed
+from vault.kitfile import KIT_FORMAT
+from vault.kitfile import check_kit_target as check_kit_target  # re-exported
+from vault.kitfile import write_kit_file as write_kit_file  # re-exported
 
 KIT_VERSION = 2
 KIT_VERSIONS = (1, 2)  # what `load` reads

@@ -13,12 +13,12 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import files, targets
-from .errors import BadInput, OperationFailed
+from vault import files, targets
+from vault.errors import BadInput, OperationFailed
 
 if TYPE_CHECKING:
-    from .pg import PgVault
-    from .store import Vault
+    from vault.engines.postgres.vault import PgVault
+    from vault.engines.sqlite.vault import Vault
 
 KIT_FORMAT = "memvault-recovery-kit"
 

@@ -15,15 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import backupmark, crypto
-from .errors import KeyMismatch, KeyProblem, KeyRevoked, VaultBusy, VaultError
-from .keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
-from .kit import KIT_VERSION, Kit, check_passphrase, load, seal
-from .kitfile import check_kit_target, write_kit_file
-from .store import Vault
+from vault import backupmark, crypto
+from vault.engines.sqlite.vault import Vault
+from vault.errors import KeyMismatch, KeyProblem, KeyRevoked, VaultBusy, VaultError
+from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
+from vault.kit import KIT_VERSION, Kit, check_passphrase, load, seal
+from vault.kitfile import check_kit_target, write_kit_file
 
 if TYPE_CHECKING:
-    from .pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
 # The journal states whose keys a kit carries: the journal's `retained` state keeps a
 # version decrypt-only for recorded backups.

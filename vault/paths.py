@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import files
+from vault import files
 
 ENV_DB = "MEMVAULT_DB"
 APP_NAME = "memvault"
@@ -33,7 +33,7 @@ def default_db_path() -> Path:
 def postgres_url(db: str | os.PathLike[str] | None) -> str | None:
     """The PostgreSQL URL that `db` (--db, `db_path`) or else `$MEMVAULT_DB` names; None
     for a file path or the default. A prefix check: every command asks, so it costs no
-    regex and no import (vault.pgurl reads a URL once one is named)."""
+    regex and no import (vault.engines.postgres.url reads a URL once one is named)."""
     if db is not None:
         if isinstance(db, bytes):
             return None
@@ -55,13 +55,13 @@ def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
     """
     url = postgres_url(db)
     if url is not None:
-        from .errors import BadInput
-        from .pgurl import unsupported
+        from vault.engines.postgres.url import unsupported
+        from vault.errors import BadInput
 
         raise BadInput(unsupported(url))
     if db is not None:
         if str(db) == "":
-            from .errors import BadInput
+            from vault.errors import BadInput
 
             raise BadInput(
                 "the vault path is empty (an unset shell variable?); give --db PATH, or "
@@ -78,7 +78,7 @@ def resolve_db_path(db: str | os.PathLike[str] | None = None) -> Path:
     resolved = Path(os.path.realpath(chosen.expanduser()))
     kind = files.special(resolved)
     if kind:  # SQLite would block for ever reading a FIFO's "header"
-        from .errors import NotAVault
+        from vault.errors import NotAVault
 
         raise NotAVault(
             f"{resolved} is a {kind}, not a vault file; give the path of the vault "
@@ -97,7 +97,7 @@ def require_text_path(path: str | os.PathLike[str], what: str) -> None:
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
-        from .errors import BadInput
+        from vault.errors import BadInput
 
         raise BadInput(
             f'{what} "{os.fsencode(path).decode("utf-8", "backslashreplace")}" is not '

@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import db, files
-from .backupmark import BACKUP_ID  # the backup's own name; its record holds the same
-from .keyjournal import CURRENT, DESTROYED, RETAINED
-from .schema import SQLITE_MAGIC, utcnow
+from vault import files
+from vault.backupmark import BACKUP_ID  # the backup's own name; its record holds the same
+from vault.engines.sqlite import db
+from vault.engines.sqlite.schema import SQLITE_MAGIC, utcnow
+from vault.keyjournal import CURRENT, DESTROYED, RETAINED
 
 PRESENT, MISSING, REPLACED = "present", "missing", "replaced"
 # Looking at a recorded backup never waits long: another process may be writing it.
@@ -114,7 +115,7 @@ def why(backup: dict[str, Any]) -> str:
     return f"{where}: unreadable here, its key {backup['kid']} is {backup['key_state']}"
 
 
-# -- the records in a vault file (PostgreSQL's twins are in vault.pgadmin) --------------
+# -- the records in a vault file (PostgreSQL's twins are in engines.postgres.admin) --------------
 def records(conn: sqlite3.Connection) -> list[BackupRecord]:
     try:
         rows = conn.execute(

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .crypto import ItemState
-from .errors import BadInput
-from .export import ItemSource, iso_time, item_text, select_sessions
-from .textsafe import escape_line
+from vault.crypto import ItemState
+from vault.errors import BadInput
+from vault.export import ItemSource, iso_time, item_text, select_sessions
+from vault.textsafe import escape_line
 
 EXCERPT_CONTEXT = 30  # characters shown on each side of a match
 

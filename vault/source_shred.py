@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import crypto, files, paths, testhooks
-from .errors import OperationFailed
-from .import_source import Plan, SourceSession, digest_update, quote_name
+from vault import crypto, files, paths, testhooks
+from vault.errors import OperationFailed
+from vault.import_source import Plan, SourceSession, digest_update, quote_name
 
 if TYPE_CHECKING:
-    from .export import ItemSource
-    from .pg import PgVault
-    from .store import Vault
+    from vault.engines.postgres.vault import PgVault
+    from vault.engines.sqlite.vault import Vault
+    from vault.export import ItemSource
 
 SOURCE_EVENT = "source-shred"
 

@@ -22,10 +22,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from . import files, paths
-from .errors import BadInput
-from .restorestate import NEW_SUFFIX, OLD_SUFFIX
-from .schema import SQLITE_MAGIC
+from vault import files, paths
+from vault.engines.sqlite.restorestate import NEW_SUFFIX, OLD_SUFFIX
+from vault.engines.sqlite.schema import SQLITE_MAGIC
+from vault.errors import BadInput
 
 # Enough of an existing file to recognise it (a kit is at most 64 KiB).
 HEAD_BYTES = 64 * 1024 + 1

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from .errors import BadInput
+from vault.errors import BadInput
 
 if TYPE_CHECKING:
     from agents import Model

@@ -22,12 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from . import crypto, paths
-from .db import check_header, is_damage, keep_temp_in_memory, parse_ttl, refuse_odd_side_files
-from .errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
-from .keys import KeyStore
-from .schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
-from .store import Vault
+from vault import crypto, paths
+from vault.engines.sqlite.db import (
+    check_header,
+    is_damage,
+    keep_temp_in_memory,
+    parse_ttl,
+    refuse_odd_side_files,
+)
+from vault.engines.sqlite.schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
+from vault.engines.sqlite.vault import Vault
+from vault.errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
+from vault.keys import KeyStore
 
 T = TypeVar("T")
 
@@ -92,7 +98,7 @@ class VerifyReport:
     key_error: KeyProblem | None = None
     unverified_reason: str | None = None  # why `authenticated` is None
     # What the human listing says was checked, and each problem's text (a PostgreSQL
-    # vault's report, vault.pgread, says its own).
+    # vault's report, vault.engines.postgres.read, says its own).
     CHECKED: ClassVar[str] = "integrity, guard triggers, meta, schema"
     CHECKED_NOTE: ClassVar[str] = ""
     problem_texts: ClassVar[dict[str, tuple[str, str]]] = PROBLEMS

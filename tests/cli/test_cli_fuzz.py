@@ -84,7 +84,7 @@ def world() -> Iterator[World]:
     with tempfile.TemporaryDirectory(prefix="memvault-fuzz-") as tmp:
         w = World(Path(tmp))
         yield w
-        from vault.store import shred
+        from vault.engines.sqlite.vault import shred
 
         if w.db.exists():
             shred(w.db)

@@ -102,7 +102,7 @@ def world() -> Iterator[World]:
     try:
         yield World(root)
     finally:
-        from vault.store import shred
+        from vault.engines.sqlite.vault import shred
 
         shred(root / FOLDER / "history.db")
         shutil.rmtree(root, ignore_errors=True)

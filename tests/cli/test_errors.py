@@ -302,7 +302,7 @@ def test_sqlite_errors_are_classified_by_their_code_not_by_words_in_the_message(
     tmp_path: Path,
 ) -> None:
     """SQLITE_BUSY is busy and SQLITE_NOTADB is no vault; words in a message mean nothing."""
-    from vault.db import translate
+    from vault.engines.sqlite.db import translate
     from vault.errors import NotAVault, OperationFailed, VaultBusy
 
     db = tmp_path / "v.db"

@@ -84,17 +84,17 @@ def test_counting_commands_load_only_what_they_use(
     # Every command pays for what the CLI imports at start; these cost ~35 ms of a
     # ~200 ms `status`: the version string, export/search, and reading a PostgreSQL URL.
     add_items(vault_db, "s1", [user("hello")])
-    watch = ("importlib.metadata", "vault.export", "vault.search", "vault.pgurl")
+    watch = ("importlib.metadata", "vault.export", "vault.search", "vault.engines.postgres.url")
     code, mods = probe(command, watch=watch)
     assert code == 0
     assert mods == []
     # Controls: the probe sees each of them when a command needs it.
     code, mods = probe("--version", watch=watch)
-    assert code == 0 and "importlib.metadata" in mods and "vault.pgurl" not in mods
+    assert code == 0 and "importlib.metadata" in mods and "vault.engines.postgres.url" not in mods
     code, mods = probe(
         "--db", "postgresql+asyncpg://u@h/db?schema=not-a-name", command, watch=watch
     )
-    assert code == 2 and "vault.pgurl" in mods
+    assert code == 2 and "vault.engines.postgres.url" in mods
 
 
 def test_completing_a_session_id_does_not_import_agents(vault: Any, vault_db: Path) -> None:

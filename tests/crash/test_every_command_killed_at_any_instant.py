@@ -45,9 +45,9 @@ from tests.crashkit import (
     writer_items,
 )
 from vault import crypto
+from vault.engines.sqlite.vault import Vault, shred
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
-from vault.store import Vault, shred
 
 pytestmark = [pytest.mark.slow, pytest.mark.crash]
 

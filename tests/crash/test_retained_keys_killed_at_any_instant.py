@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, keyring_entries, run_cli
+from vault.engines.sqlite.vault import Vault, shred
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
-from vault.store import Vault, shred
 
 pytestmark = pytest.mark.crash
 

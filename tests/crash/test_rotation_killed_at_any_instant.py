@@ -35,9 +35,9 @@ import pytest
 
 from tests.conftest import authenticated_counts, keyring_entries, raw_bytes, run_cli
 from vault import crypto
+from vault.engines.sqlite.vault import Vault, shred
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
-from vault.store import Vault, shred
 
 pytestmark = pytest.mark.crash
 
@@ -255,7 +255,7 @@ ROTATOR = textwrap.dedent(
     import sys, time
     import vault.crypto as crypto
     import vault.testhooks as testhooks
-    from vault.store import Vault
+    from vault.engines.sqlite.vault import Vault
     v = Vault.open(sys.argv[1])
     v.sealer()
     t0 = time.monotonic()

@@ -35,10 +35,10 @@ from hypothesis.stateful import (
 import vault.testhooks as testhooks
 from tests.conftest import keyring_entries
 from vault import crypto
+from vault.engines.sqlite.vault import Vault, shred
 from vault.errors import UnknownSession
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
-from vault.store import Vault, shred
 
 TTL = 1000
 SESSIONS = st.sampled_from(["alpha", "beta", "gamma"])

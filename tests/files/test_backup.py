@@ -391,7 +391,7 @@ def test_a_rotation_committed_during_the_backup_keeps_the_copy_readable(
 ) -> None:
     """The copy keeps the old key id; the rotation retains that key for the recorded copy."""
     from vault import testhooks
-    from vault.backup import backup
+    from vault.engines.sqlite.backup import backup
 
     filled(vault_db)
     old_kid = vault.meta()["kid"]

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import add_items, raw_bytes, rows, user
-from vault import crypto, schema
+from vault import crypto
+from vault.engines.sqlite import schema
 
 
 def test_bare_sqlite_session_is_refused(vault: Any, vault_db: Path) -> None:

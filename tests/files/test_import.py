@@ -257,7 +257,7 @@ def test_refuses_what_is_not_a_plaintext_sqlitesession_file(
     assert r.code == 2 and "the vault's own file" in one_line_error(r)
 
     from vault import Vault
-    from vault.store import shred
+    from vault.engines.sqlite.vault import shred
 
     second = tmp_path / "second" / "vault.db"
     Vault.init(second)

@@ -133,7 +133,7 @@ def test_vault_init_and_shred_without_fchmod_or_O_NOFOLLOW(
     monkeypatch: pytest.MonkeyPatch, vault_db: Path, open_flags: list[int]
 ) -> None:
     from vault import Vault
-    from vault.store import shred
+    from vault.engines.sqlite.vault import shred
 
     monkeypatch.delattr(os, "fchmod")
     monkeypatch.delattr(os, "O_NOFOLLOW")

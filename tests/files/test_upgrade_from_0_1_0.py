@@ -24,9 +24,9 @@ import pytest
 
 from tests.conftest import authenticated_counts, keyring_entries, run_cli
 from vault import crypto
+from vault.engines.sqlite.schema import FORMAT
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
-from vault.schema import FORMAT
 from vault.verify import expected_triggers
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "v0_1_0"

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import pytest
 
 from tests.conftest import run_cli
+from vault.engines.sqlite.schema import FORMAT
 from vault.keys import KeyStore
-from vault.schema import FORMAT
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v0_2_0"
 

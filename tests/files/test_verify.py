@@ -18,7 +18,8 @@ import pytest
 from tests.conftest import add_items, insert_sealed, run_cli, user
 from tests.keys.test_keyring_edges import in_another_private_keyring
 from tests.keys.test_rotation import one_line_error
-from vault import Vault, schema
+from vault import Vault
+from vault.engines.sqlite import schema
 from vault.verify import BATCH, PROBLEMS
 
 NONE = dict.fromkeys(PROBLEMS, 0)

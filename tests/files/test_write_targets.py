@@ -258,7 +258,7 @@ def world() -> Iterator[World]:
         w = World(Path(tmp))
         yield w
         w.reader.close()
-        from vault.store import shred
+        from vault.engines.sqlite.vault import shred
 
         shred(w.db)
 
@@ -350,6 +350,6 @@ def test_a_url_vault_never_writes_over_a_database_either(
         r = run_cli("--db", pg_url, "export", "--all", "--force", "-o", str(out))
         assert r.code == 0, r  # an export over an earlier export
     finally:
-        from vault.store import shred
+        from vault.engines.sqlite.vault import shred
 
         shred(file_vault)

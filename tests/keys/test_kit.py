@@ -231,7 +231,7 @@ def test_hostile_kits_are_refused_in_one_line(vault: Any, tmp_path: Path) -> Non
 
 def test_kit_from_another_vault(vault: Any, tmp_path: Path) -> None:
     from vault import Vault
-    from vault.store import shred
+    from vault.engines.sqlite.vault import shred
 
     other_db = tmp_path / "other" / "history.db"
     other = Vault.init(other_db)

@@ -231,9 +231,9 @@ def test_a_copy_whose_key_was_destroyed_during_the_backup_is_removed_with_its_re
 ) -> None:
     """A rotation between the record and the snapshot, and one between the snapshot and
     the record's update: the copy's key had no record, so the second destroyed it."""
-    from vault import backup as backup_mod
+    from vault.engines.sqlite import backup as backup_mod
+    from vault.engines.sqlite.vault import Vault as StoreVault
     from vault.errors import OperationFailed
-    from vault.store import Vault as StoreVault
 
     add_items(vault_db, "S", [user("x")])
     dest = tmp_path / "b.db"

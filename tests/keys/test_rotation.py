@@ -39,10 +39,10 @@ from tests.conftest import (
     user,
 )
 from vault import crypto
+from vault.engines.sqlite.vault import Vault
 from vault.errors import KeyRevoked
 from vault.keyjournal import entry_name
 from vault.keys import SERVICE
-from vault.store import Vault
 
 KILLED = -signal.SIGKILL
 
@@ -343,7 +343,7 @@ def test_rotation_is_one_transaction_with_synchronous_full(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every envelope and the kid change in one BEGIN IMMEDIATE ... COMMIT, synchronous=FULL."""
-    import vault.db as db
+    import vault.engines.sqlite.db as db
 
     populate(vault_db)
     traces: list[tuple[int, list[str]]] = []
@@ -580,7 +580,7 @@ def test_a_writer_holding_the_lock_past_the_scrubs_wait_delays_the_scrub_only(
 ) -> None:
     """An agent's write that outlasts the checkpoint's wait (a slow disk, a long turn)
     is not a reader holding a snapshot: the scrub tries again and finishes."""
-    from vault.db import SCRUB_WAIT
+    from vault.engines.sqlite.db import SCRUB_WAIT
 
     expected = populate(vault_db)
     old_tokens = tokens(vault_db)
@@ -625,7 +625,7 @@ def test_another_connections_checkpoint_delays_the_scrub_only(
 ) -> None:
     """An agent's own automatic checkpoint after a commit (here: one waiting behind a
     write) holds SQLite's checkpoint lock: the scrub waits for it, then finishes."""
-    from vault.db import SCRUB_WAIT
+    from vault.engines.sqlite.db import SCRUB_WAIT
 
     populate(vault_db)
     old_tokens = tokens(vault_db)

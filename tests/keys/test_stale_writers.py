@@ -28,7 +28,7 @@ import pytest
 
 from tests.conftest import add_items, assistant, run_cli, user
 from vault import crypto
-from vault.store import Vault
+from vault.engines.sqlite.vault import Vault
 
 ROOT = Path(__file__).resolve().parents[2]
 ROTATIONS = 20

@@ -59,8 +59,8 @@ def test_a_password_in_a_percent_encoded_query_key_is_never_printed(pg_url: str,
 
 def test_an_open_session_refuses_to_read_once_another_process_revokes(pg_url: str) -> None:
     import vault
+    from vault.engines.postgres.vault import PgVault
     from vault.errors import KeyRevoked
-    from vault.pg import PgVault
 
     PgVault.init(pg_url, ttl=3600)
 
@@ -80,8 +80,8 @@ def test_an_open_session_refuses_to_read_once_another_process_revokes(pg_url: st
 
 def test_an_open_session_says_no_vault_once_another_process_shreds(pg_url: str) -> None:
     import vault
+    from vault.engines.postgres.vault import PgVault
     from vault.errors import NotAVault
-    from vault.pg import PgVault
 
     PgVault.init(pg_url, ttl=3600)
 
@@ -105,8 +105,8 @@ def test_a_rotation_whose_connection_drops_says_so_and_the_next_one_finishes(
 ) -> None:
     from tests.pgserver import raw_kids, sql
     from vault import testhooks
+    from vault.engines.postgres.vault import PgVault
     from vault.errors import OperationFailed
-    from vault.pg import PgVault
 
     PgVault.init(pg_url, ttl=3600)
 
@@ -147,7 +147,7 @@ def test_a_rotation_whose_connection_drops_says_so_and_the_next_one_finishes(
 
 def test_a_schema_the_user_may_not_use_is_a_privilege_error_not_no_vault(pg_url: str) -> None:
     from tests.pgserver import sql
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     schema = PgVault.init(pg_url, ttl=3600).loc.schema
     assert schema is not None
@@ -180,10 +180,10 @@ def test_an_unencoded_at_sign_in_the_password_is_refused_before_any_lookup() -> 
 def kit_of_current_key(url: str, kit: Path, passphrase: str) -> None:
     """A kit of the vault's current key made without `key export`, which refuses while a
     rotation is unfinished: as another route (an older memvault, a copied keyring) would."""
+    from vault.engines.postgres.vault import PgVault
     from vault.keyjournal import entry_name
     from vault.keys import KeyStore
     from vault.kit import seal, write_kit_file
-    from vault.pg import PgVault
 
     meta = PgVault.open(url).meta()
     key = KeyStore().get(entry_name(meta["vault_id"], meta["kid"]))
@@ -197,7 +197,7 @@ def test_a_kit_imported_during_a_rotation_says_the_old_key_stays_until_it_ends(
 ) -> None:
     from tests.pgserver import sql
     from tests.postgres.test_postgres_admin import host_b_env, host_b_keys, write
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     PgVault.init(pg_url, ttl=3600)
     write(pg_url, "s1", [f"m{i}" for i in range(5)])
@@ -255,9 +255,9 @@ def test_a_straggler_in_another_json_layout_is_moved_before_the_old_key_goes(
     import vault
     from tests.pgserver import raw_kids, sql
     from vault import crypto
+    from vault.engines.postgres.vault import PgVault
     from vault.keyjournal import entry_name
     from vault.keys import KeyStore
-    from vault.pg import PgVault
 
     PgVault.init(pg_url, ttl=3600)
 
@@ -315,7 +315,7 @@ def test_a_host_that_joined_during_a_rotation_is_told_to_let_it_finish(
     pg_url: str, tmp_path: Path
 ) -> None:
     from tests.postgres.test_postgres_admin import host_b_env, write
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     PgVault.init(pg_url, ttl=3600)
     write(pg_url, "s1", [f"m{i}" for i in range(600)])  # more than one batch of 500
@@ -347,7 +347,7 @@ def test_a_shred_refused_a_privilege_after_destroying_the_key_does_not_say_nothi
 ) -> None:
     from tests.pgserver import entries_left, sql
     from tests.postgres.test_postgres_admin import write
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     PgVault.init(pg_url, ttl=3600)
     write(pg_url, "s1", ["doomed"])
@@ -366,7 +366,7 @@ def test_a_shred_refused_a_privilege_after_destroying_the_key_does_not_say_nothi
 def test_a_rotation_refused_a_privilege_after_its_switch_says_how_to_finish(pg_url: str) -> None:
     from tests.pgserver import sql
     from tests.postgres.test_postgres_admin import write
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     PgVault.init(pg_url, ttl=3600)
     write(pg_url, "s1", ["kept"])
@@ -387,7 +387,7 @@ def test_a_revoke_refused_a_privilege_after_its_mark_does_not_say_nothing_change
     pg_url: str,
 ) -> None:
     from tests.pgserver import entries_left, sql
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     PgVault.init(pg_url, ttl=3600)
     sql(pg_url, "REVOKE UPDATE ON memvault_keys FROM CURRENT_USER")

@@ -42,7 +42,7 @@ def write(url: str, session_id: str, contents: list[str]) -> None:
 
 def insert_sealed(url: str, session_id: str, contents: list[str], at: int | None) -> None:
     """Items sealed with the vault's key at a chosen Fernet time, inserted with SQL."""
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     sealer = PgVault.open(url).sealer()
     sql(
@@ -113,8 +113,8 @@ def test_one_admin_operation_at_a_time_across_processes(
 def test_ttl_purge_deletes_expired_items_keeps_fresh_and_unreadable_ones(
     pg_vault: Any, pg_url: str
 ) -> None:
-    from vault import pgadmin
-    from vault.pg import PgVault
+    from vault.engines.postgres import admin as pgadmin
+    from vault.engines.postgres.vault import PgVault
 
     old = int(time.time()) - 2 * 3600  # the vault's TTL is 1h
     insert_sealed(pg_url, "s1", [f"old {i}" for i in range(5)], old)
@@ -197,7 +197,7 @@ def test_pop_ttl_and_log_on_a_url(pg_vault: Any, pg_url: str) -> None:
     assert (r.code, r.out.strip()) == (0, "ttl 2d (set)"), r
     assert run_cli("--db", pg_url, "--json", "status").json()["ttl"] == "2d"
     assert run_cli("--db", pg_url, "--json", "ttl", "never").json()["ttl_seconds"] is None
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     assert PgVault.open(pg_url).ttl is None
 
@@ -264,7 +264,7 @@ def test_revoke_destroys_every_key_version_and_every_command_then_exits_4(
     import asyncpg
 
     from vault import crypto
-    from vault.schema import GUARD_MESSAGE
+    from vault.engines.sqlite.schema import GUARD_MESSAGE
 
     insert = "INSERT INTO agent_messages (session_id, message_data) VALUES ('s1', $1)"
     late = [
@@ -548,7 +548,7 @@ def test_a_schema_the_server_will_not_drop_is_kept_and_the_shred_still_succeeds(
     # waits for, past the lock timeout.
     import asyncpg
 
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
 
     write(pg_url, "s1", ["secret"])
     vault_id = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'vault_id'")[0]["value"]

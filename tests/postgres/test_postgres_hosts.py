@@ -40,9 +40,9 @@ ENV_SEED = "MEMVAULT_PG_KILL_SEED"
 @pytest.fixture
 def url() -> Iterator[str]:
     """A vault in a fresh schema of the test server; schema and keyring entries go after."""
+    from vault.engines.postgres.vault import PgVault
     from vault.keyjournal import entry_name
     from vault.keys import KeyStore
-    from vault.pg import PgVault
 
     schema = "h_" + secrets.token_hex(6)
     where = f"{SERVER_URL}?schema={schema}"
@@ -66,8 +66,8 @@ def prefill(url: str, n: int, sessions: int = 10) -> dict[str, list[str]]:
     row); {session id: contents in order}."""
     import asyncpg
 
-    from vault.pg import PgVault
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
+    from vault.engines.postgres.vault import PgVault
 
     sealer = PgVault.open(url).sealer()
     contents: dict[str, list[str]] = {}
@@ -284,8 +284,8 @@ def test_a_write_in_flight_across_the_switch_is_rotated_not_lost(url: str) -> No
     it, or the row commits under a key whose entry the rotation then destroys."""
     import asyncpg
 
-    from vault.pg import PgVault
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
+    from vault.engines.postgres.vault import PgVault
 
     prefill(url, 3, sessions=1)
     sealer = PgVault.open(url).sealer()
@@ -345,7 +345,7 @@ ROTATOR = textwrap.dedent(
     """
     import sys, time
     from vault import testhooks
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     def mark(name: str) -> None:
         print(name, f"{time.monotonic():.6f}", flush=True)
@@ -433,10 +433,10 @@ def test_sigkill_of_rotate_at_random_instants_loses_nothing_and_resumes(
     import asyncpg
 
     from vault import crypto
+    from vault.engines.postgres.rotate import kid_of
+    from vault.engines.postgres.url import parse
     from vault.keyjournal import entry_name
     from vault.keys import KeyStore
-    from vault.pgrotate import kid_of
-    from vault.pgurl import parse
 
     seed = int(os.environ.get(ENV_SEED, time.time_ns() % 2**32))
     rng = random.Random(seed)

@@ -39,7 +39,7 @@ def all_text(url: str) -> str:
 
 
 def test_four_checks_on_postgres(pg_vault: Any, pg_url: str) -> None:
-    from vault.pg import PgVault
+    from vault.engines.postgres.vault import PgVault
 
     # 1. A turn stores the code name through open_session(URL); the process exits.
     out = step("write", pg_url)
@@ -80,7 +80,7 @@ def bare_session_items(url: str, session_id: str) -> list[Any]:
     from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
 
     loc = parse(url)
 
@@ -99,7 +99,7 @@ def bare_session_items(url: str, session_id: str) -> list[Any]:
 
 def test_guard_refuses_plaintext_and_other_keys(pg_vault: Any, pg_url: str) -> None:
     from vault import crypto
-    from vault.schema import GUARD_MESSAGE
+    from vault.engines.sqlite.schema import GUARD_MESSAGE
 
     sealer = pg_vault.sealer()
     sql(pg_url, "INSERT INTO agent_sessions (session_id) VALUES ('s')")
@@ -148,9 +148,9 @@ def test_a_vault_made_before_the_json_member_count_gets_it_at_the_next_open(
 ) -> None:
     import asyncpg
 
-    from vault import pgschema
-    from vault.pg import PgVault
-    from vault.schema import GUARD_MESSAGE
+    from vault.engines.postgres import schema as pgschema
+    from vault.engines.postgres.vault import PgVault
+    from vault.engines.sqlite.schema import GUARD_MESSAGE
 
     # Put back the guard as m006 left it (members counted on jsonb) and forget m007.
     schema = sql(pg_url, "SELECT current_schema() AS s")[0]["s"]
@@ -173,13 +173,13 @@ def test_a_vault_made_before_the_json_member_count_gets_it_at_the_next_open(
 
 
 def rotate_behind_its_back(url: str) -> tuple[str, str]:
-    """Rotate the way vault.lifecycle does on a file, from outside the session under test:
+    """Rotate the way engines.sqlite.lifecycle does on a file, from outside the session under test:
     the new key's entry first, then, in one transaction, every row re-encrypted, the kid
     moved on and the journal updated. Returns (old kid, new kid)."""
     from vault import crypto
+    from vault.engines.postgres.vault import PgVault
     from vault.keyjournal import entry_name
     from vault.keys import KeyStore
-    from vault.pg import PgVault
 
     vault = PgVault.open(url)
     old = vault.sealer()
@@ -190,7 +190,7 @@ def rotate_behind_its_back(url: str) -> tuple[str, str]:
 
     import asyncpg
 
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
 
     loc = parse(url)
 
@@ -222,7 +222,7 @@ def test_stale_writer_is_refused_then_reloads_the_key_and_retries(
     pg_vault: Any, pg_url: str
 ) -> None:
     import vault
-    from vault.schema import GUARD_MESSAGE
+    from vault.engines.sqlite.schema import GUARD_MESSAGE
 
     async def first() -> Any:
         s = vault.open_session("s1", pg_url)
@@ -370,7 +370,7 @@ def test_tables_are_the_sdks_own(pg_vault: Any, pg_url: str) -> None:
     from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from vault.pgurl import parse
+    from vault.engines.postgres.url import parse
 
     sdk_schema = "t_" + secrets.token_hex(6)
     sdk_url = f"{SERVER_URL}?schema={sdk_schema}"
@@ -439,8 +439,8 @@ def test_online_rotation_serves_readers_and_writers_between_batches(
 
     import vault
     from vault import testhooks
-    from vault.pg import PgVault
-    from vault.schema import GUARD_MESSAGE
+    from vault.engines.postgres.vault import PgVault
+    from vault.engines.sqlite.schema import GUARD_MESSAGE
 
     async def write() -> tuple[Any, Any]:
         other = vault.open_session("s2", pg_url)

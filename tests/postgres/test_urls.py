@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vault import pgurl
+from vault.engines.postgres import url as pgurl
 from vault.errors import BadInput
 
 PASSWORDS = st.text(

@@ -147,6 +147,8 @@ def imports(module: str, tree: ast.Module) -> set[str]:
                 base = package + ("." + base if base else "")
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
+    # Importing `vault.a.b` runs the package `vault.a` first.
+    found |= {name.rsplit(".", i)[0] for name in found for i in range(1, name.count(".") + 1)}
     return {name for name in found if name == "vault" or name.startswith("vault.")}
 
 

@@ -1,5 +1,5 @@
 """The vault's own envelope code and the SDK's EncryptedSession agree, both ways; and
-every SDK internal vault/session.py relies on is still there and still behaves."""
+every SDK internal vault/engines/sqlite/session.py relies on is still there and still behaves."""
 
 from __future__ import annotations
 
@@ -150,8 +150,8 @@ def test_bad_durations(text: str) -> None:
         durations.parse_duration(text)
 
 
-# -- The SDK internals vault/session.py relies on --------------------------------
-# Each one is listed in vault/session.py's docstring; each has its shape checked
+# -- The SDK internals vault/engines/sqlite/session.py relies on --------------------------------
+# Each one is listed in vault/engines/sqlite/session.py's docstring; each has its shape checked
 # here and its behaviour checked below, so an SDK release that renames or changes one
 # fails this file before it can fail a user.
 
@@ -214,7 +214,7 @@ def _bare_instances() -> dict[str, Any]:
 
 
 def test_session_docstring_lists_exactly_the_internals_tested_here() -> None:
-    from vault import session
+    from vault.engines.sqlite import session
 
     listed = set(re.findall(r"`((?:SQLiteSession|EncryptedSession)\.\w+)", session.__doc__ or ""))
     assert listed == set(SDK_METHODS) | set(SDK_ATTRIBUTES)
@@ -222,7 +222,7 @@ def test_session_docstring_lists_exactly_the_internals_tested_here() -> None:
 
 def test_every_sdk_name_the_session_code_touches_is_listed() -> None:
     """A new override or a new read of an SDK attribute must join the list (and get a test)."""
-    from vault import session
+    from vault.engines.sqlite import session
 
     source = inspect.getsource(session)
     code = source[source.index('"""', 3) + 3 :]  # the code, without the module docstring
@@ -244,7 +244,7 @@ def test_every_sdk_name_the_session_code_touches_is_listed() -> None:
 
 @pytest.mark.parametrize("qualified", sorted(SDK_METHODS))
 def test_sdk_method_keeps_its_signature(qualified: str) -> None:
-    from vault import session
+    from vault.engines.sqlite import session
 
     cls_name, name = qualified.split(".")
     sdk = _sdk_class(cls_name)
@@ -471,7 +471,7 @@ def test_sdk_passes_the_run_context_as_wrapper(vault: Any, vault_db: Path) -> No
     from agents import RunContextWrapper
 
     from vault import Vault
-    from vault.session import VaultSession
+    from vault.engines.sqlite.session import VaultSession
 
     seen: list[Any] = []
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import insert_sealed, rows, user
 from vault import crypto
-from vault.schema import ITEM_TIME, ITEM_WINDOW, WINDOW_SECONDS, window_start
+from vault.engines.sqlite.schema import ITEM_TIME, ITEM_WINDOW, WINDOW_SECONDS, window_start
 
 OLD = crypto.Sealer(crypto.generate_key())
 NEW = crypto.Sealer(crypto.generate_key())

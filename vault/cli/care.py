@@ -1,0 +1,258 @@
+"""`memvault` commands that look after the vault file: backup and verify.
+
+Logic in vault.engines.sqlite.backup and vault.verify; neither imports the Agents SDK.
+"""
+
+from __future__ import annotations
+
+import click
+
+from vault.cli.common import (
+    PATH,
+    common,
+    confirm,
+    emit,
+    open_vault,
+    plural,
+    postgres_url,
+    refuse_option,
+    refuse_vault_target,
+    say,
+    state,
+)
+from vault.errors import KeyProblem, OperationFailed
+
+
+@click.command("backup")
+@click.argument("dest", metavar="DEST")
+@common
+def backup_cmd(dest: str) -> None:
+    """Write a consistent copy of the vault to DEST, a new file (mode 0600).
+
+    Safe while agents are writing: SQLite's VACUUM INTO copies one snapshot
+    (the WAL included) into fresh pages, so the copy holds no free pages and
+    no residue of deleted items. The copy keeps the vault id and the key id:
+    it opens with the same keyring key, and no key is copied into it. To
+    restore it on another machine you also need a recovery kit (`memvault key
+    export`); the command prints the steps.
+
+    A vault whose key is missing from this keyring is still backed up, with a
+    warning (a recovery kit may hold the key); a revoked vault is refused
+    (exit 4). DEST must not exist: an existing file, link or FIFO is refused
+    (exit 2) and left untouched, and so is the vault itself or its -wal, -shm
+    or -journal, by any name (a link, a relative path). The copy is marked as a
+    backup: commands that write (rotate, purge, clear, pop, ttl, import, revoke,
+    an agent's session) refuse it; `memvault restore DEST` makes it the live
+    vault again. `memvault --db DEST shred` destroys the copy but keeps the key
+    versions it shares with the live vault.
+
+    On a PostgreSQL vault (--db URL), DEST is a new vault file (SQLite) holding
+    one snapshot of it, rows as they are, opened with the same keyring entry;
+    for a server-side backup use pg_dump.
+
+    \b
+    Example:
+      memvault backup ~/backups/history-2026-11-30.db
+      memvault --json backup /media/usb/history.db
+    """
+    from vault.targets import over_vault
+
+    refuse_vault_target(dest, over_vault("backup"))
+    url = postgres_url()
+    if url is not None:
+        from vault.engines.postgres.backup import backup as pg_backup
+        from vault.engines.postgres.vault import PgVault
+
+        r = pg_backup(PgVault.open(url), dest)
+    else:
+        from vault.engines.sqlite.backup import backup
+
+        r = backup(open_vault(), dest)
+
+    def human() -> None:
+        say(
+            f"backed up vault {r.vault_id} to {r.path}",
+            f"  {plural(r.items, 'item')} in {plural(r.sessions, 'session')}, "
+            f"{r.size} bytes, mode {r.mode}",
+            f"  key id  {r.kid} (the key is not in the backup)",
+            "to restore it on another machine:",
+            *(f"  {step}" for step in r.restore),
+        )
+        if url is not None:
+            click.echo(
+                "the copy is a vault file (SQLite) holding one snapshot of the PostgreSQL vault; "
+                "for a server-side backup use pg_dump"
+            )
+
+    emit(r.as_dict(), human)
+    if r.key_problem:
+        say(
+            f"warning: the backup is made, but this keyring cannot open it ({r.key_problem}); "
+            f"it opens only with a recovery kit for key {r.kid}",
+            err=True,
+        )
+    if not r.audited:
+        click.echo(
+            "warning: the backup is made, but the vault was busy and its audit trail does not "
+            "record it",
+            err=True,
+        )
+
+
+@click.command("verify")
+@common
+def verify_cmd() -> None:
+    """Check everything: file integrity, every item, guard triggers, meta, key.
+
+    Runs SQLite's integrity check, authenticates every item under the key
+    (in batches), checks the guard triggers against the ones memvault creates,
+    the meta rows and the recorded migrations. It changes nothing (unlike
+    other commands, it neither migrates nor finishes a pending scrub). On a
+    PostgreSQL vault the integrity check and the scrub do not apply; the guard
+    trigger and its function are compared, and a rotation in progress is shown.
+
+    \b
+    Exit codes:
+      0  every check passed
+      1  problems found: each is listed with its count and what to do
+      3  no vault at that path
+      4  the key is missing, revoked or does not match: the other checks are
+         still reported, but the items could not be verified
+
+    \b
+    Example:
+      memvault verify
+      memvault --db backup.db --json verify
+    """
+    from vault.verify import VerifyReport, verify
+
+    url = postgres_url()
+    report: VerifyReport
+    if url is not None:
+        from vault.engines.postgres.read import verify as pg_verify
+
+        report = pg_verify(url)
+    else:
+        report = verify(state().db)
+    doc = report.as_dict()
+    rotation = doc.get("rotation")
+
+    def human() -> None:
+        say(f"vault      {report.path}  ({report.vault_id or 'no vault id'})")
+        key = report.key + (f", key id {report.kid}" if report.kid else "")
+        if report.key_error:
+            key = f"{report.key}: {report.key_error.message}"
+        say(f"key        {key}")
+        counts = f"{plural(report.items, 'item')} in {plural(report.sessions, 'session')}"
+        if report.authenticated is None:
+            counts += f": not authenticated ({report.unverified_reason})"
+        else:
+            counts += f": {report.authenticated} authenticate ({report.expired} expired)"
+        say(f"items      {counts}")
+        if rotation:
+            say(
+                f"rotation   in progress from key {rotation['from_kid']} (rows through id "
+                f"{rotation['done_through_id']} moved; both keys read); `memvault rotate` "
+                "finishes one that was cut off"
+            )
+        checked = report.CHECKED
+        if report.authenticated is not None:
+            checked += ", every item"
+        click.echo(f"checked    {checked}{report.CHECKED_NOTE}")
+        found = {k: n for k, n in report.problems.items() if n}
+        if report.ok:
+            click.echo("result     ok")
+        elif not found:
+            click.echo("result     not verified: the items need the key")
+        else:
+            click.echo(f"result     {plural(sum(found.values()), 'problem')}")
+        for kind, n in found.items():
+            label, fix = report.problem_texts[kind]
+            click.echo(f"  {kind} ({n}): {label}")
+            shown = report.details.get(kind, [])
+            for detail in shown:
+                say(f"      {detail}")
+            if n > len(shown):
+                click.echo(f"      ... and {n - len(shown)} more")
+            click.echo(f"    what to do: {fix}")
+
+    emit(doc, human)
+    if report.key_error is not None:
+        raise KeyProblem(f"{report.key_error.message}; the items were not verified")
+    if not report.ok:
+        found = ", ".join(f"{kind} {n}" for kind, n in report.problems.items() if n)
+        where = "the JSON document" if state().json else "the list above"
+        raise OperationFailed(f"verify found problems in {report.path}: {found}; see {where}")
+
+
+@click.command("restore")
+@click.argument("backup", metavar="BACKUP", type=PATH)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def restore_cmd(backup: str, yes: bool) -> None:
+    """Make BACKUP (a file `memvault backup` wrote, or a copy) the live vault at --db.
+
+    BACKUP must be a copy of the vault at --db (same vault id), or of a vault
+    that is no longer there (restore to a path with no vault only when the
+    original is gone: both would share one set of keys; refused while the vault
+    a backup was made from is still at its path, and for a PostgreSQL vault's
+    backup), and every item must authenticate with the keys in
+    this keyring (`memvault --db BACKUP key import KIT` first if it needs an
+    older key). The restored vault is a new compact copy of BACKUP, no longer
+    marked as a backup; BACKUP itself stays as it is.
+
+    Crash-safe: the vault being replaced stays whole under its name until the
+    copy is complete, then is overwritten and deleted; a restore cut off at any
+    point is rolled back or finished by the next command that opens the vault.
+    Refuses (exit 5) while another process has the vault open. Items the
+    vault got after the backup was made are gone once it is restored: export
+    them first if you need them.
+
+    \b
+    Exit codes:
+      1  BACKUP is of another vault, does not verify, or the answer was no
+      3  no vault at BACKUP, or --db names a file that is not a vault
+      4  the keyring cannot open every item of BACKUP
+      5  the vault is in use by another process
+
+    \b
+    Example:
+      memvault restore ~/backups/history-2026-11-30.db
+      memvault --db ~/work/history.db restore /media/usb/history.db --yes
+    """
+    if postgres_url() is not None:
+        refuse_option(
+            "--db URL",
+            "restore",
+            "a PostgreSQL vault is restored with pg_restore; `restore` puts a file back",
+        )
+    from vault.engines.sqlite.restore import check, restore
+
+    plan = check(backup, state().db)
+    if plan.replaces:
+        confirm(
+            f"Replace the vault at {plan.path} ({plural(plan.replaced_items or 0, 'item')}) with "
+            f"the backup {plan.source} ({plural(plan.items, 'item')}, made "
+            f"{plan.backed_up_at or 'at an unknown time'})? Items written since are lost",
+            yes,
+        )
+    r = restore(plan)
+
+    def human() -> None:
+        say(
+            f"restored vault {r['vault_id']} at {r['path']} from {r['source']}",
+            f"  {plural(r['items'], 'item')} in {plural(r['sessions'], 'session')}, key id "
+            f"{r['kid']}; checked: {', '.join(r['checked'])}",
+            "  the replaced vault was overwritten and deleted"
+            if r["replaces"]
+            else "  there was no vault at that path",
+        )
+
+    emit(r, human)
+
+
+COMMANDS = (
+    backup_cmd,
+    verify_cmd,
+    restore_cmd,
+)

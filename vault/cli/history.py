@@ -1,0 +1,423 @@
+"""`memvault` commands on the history and its lifetime: init, status, sessions,
+show, pop, clear, ttl and the audit log.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from vault import durations
+from vault.backupmark import refuse_writes
+from vault.cli.common import (
+    COUNT,
+    SESSION,
+    check_scrub,
+    common,
+    confirm,
+    duration,
+    emit,
+    iso_utc,
+    open_any,
+    plural,
+    postgres_url,
+    say,
+    state,
+)
+from vault.engines.sqlite.vault import DEFAULT_TTL, Vault
+from vault.errors import VaultError
+from vault.textsafe import escape_line, escape_text
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.vault import PgVault
+
+
+@click.command()
+@click.option(
+    "--ttl",
+    "ttl",
+    callback=duration,
+    metavar="DURATION",
+    help="How long items stay readable: 90s, 15m, 12h, 30d, 2w or never (default 30d).",
+)
+@common
+def init(ttl: Any) -> None:
+    """Create the vault file and its random key in the OS keyring.
+
+    Refuses, changing nothing, if a vault (or any file) is already there.
+
+    \b
+    Example:
+      memvault init --ttl 7d
+    """
+    seconds = DEFAULT_TTL if ttl is None else ttl[1]
+    url = postgres_url()
+    vault: Vault | PgVault
+    if url is None:
+        vault = Vault.init(state().db, ttl=seconds)
+    else:
+        from vault.engines.postgres.vault import PgVault
+
+        vault = PgVault.init(url, ttl=seconds)
+    meta = vault.meta()
+    data = {
+        "path": str(vault.path),
+        "vault_id": meta["vault_id"],
+        "kid": meta["kid"],
+        "ttl": durations.format_duration(seconds),
+        "keyring": vault.keystore.name,
+        # The keyring entry is the only copy of the key: losing it loses the history.
+        "next": "memvault key export FILE",
+    }
+    emit(
+        data,
+        lambda: say(
+            f"created vault {data['path']}",
+            f"  key id  {data['kid']} (key stored in {data['keyring']})",
+            f"  ttl     {data['ttl']}",
+            "  next    make a recovery kit, kept apart from the vault: "
+            "`memvault key export FILE`; without it, a lost keyring entry loses the history",
+        ),
+    )
+
+
+@click.command()
+@common
+def status() -> None:
+    """Path, size, permissions, keyring, key state, TTL and item counts.
+
+    The counts are unverified: items are counted, and judged expired by the
+    timestamp each claims, without being authenticated (fast at any size).
+    `memvault verify` authenticates every item.
+
+    \b
+    Example:
+      memvault status --json
+    """
+    st = open_any().status()
+
+    def human() -> None:
+        if st.get("backend") == "postgresql":
+            say(f"vault      {st['path']}  (PostgreSQL, schema {st['schema']})")
+            click.echo(f"files      {st['size']} (no file, folder or mode of memvault's own)")
+        else:
+            say(f"vault      {st['path']}  ({st['size']} bytes)")
+            click.echo(f"folder     mode {st['folder_mode']}")
+        for name, f in st["files"].items():
+            click.echo(f"  {name:<20} {f['size']:>10} bytes  mode {f['mode']}")
+        say(f"keyring    {st['keyring']}")
+        key = st["key"] + (f": {st['key_problem']}" if st.get("key_problem") else "")
+        say(f"key        {key}")
+        say(f"key id     {st['kid']}")
+        click.echo(f"ttl        {st['ttl']}")
+        counts = f"{plural(st['items'], 'item')} in {plural(st['sessions'], 'session')}"
+        counts += f", {st['expired_unverified']} expired by their timestamps"
+        click.echo(f"contents   {counts}")
+        click.echo("           (unverified counts: `memvault verify` authenticates every item)")
+        say(f"rotated    {st['rotated_at'] or 'never'}")
+        if st["scrub_pending"]:
+            click.echo("scrub      pending (old bytes may remain until the next command)")
+        if st.get("rotation"):
+            say(
+                f"rotation   in progress from {st['rotation']['from_kid']} (rows up to id "
+                f"{st['rotation']['done_through_id']} done); both keys read; if no rotation "
+                "is running, `memvault rotate` finishes it"
+            )
+        if st.get("backup_of"):
+            say(
+                f"backup     of vault {st['backup_of']}, made {st['backed_up_at']}: commands "
+                "that write refuse it; `memvault restore` makes it the live vault"
+            )
+        if st.get("shred_interrupted"):
+            click.echo("shred      interrupted: run `memvault shred` again to finish it")
+
+    emit(st, human)
+
+
+@click.command()
+@common
+def sessions() -> None:
+    """One row per session: id, items, expired, last update.
+
+    Unverified counts, as in `memvault status`: EXPIRED judges each item by the
+    timestamp it claims; `memvault verify` authenticates every item.
+
+    \b
+    Example:
+      memvault sessions
+    """
+    rows = [s.as_dict() for s in open_any().sessions()]
+    for r in rows:
+        r["updated_at"] = iso_utc(r.get("updated_at"))
+
+    def human() -> None:
+        if not rows:
+            click.echo("no sessions")
+            return
+        click.echo(f"{'SESSION':<30} {'ITEMS':>8} {'EXPIRED*':>8}  UPDATED")
+        for r in rows:
+            say(
+                f"{escape_line(r['session_id']):<30} {r['items']:>8} {r['expired_unverified']:>8}  "
+                f"{r['updated_at'] or '-'}"
+            )
+        click.echo("* by timestamp, unverified: `memvault verify` authenticates every item")
+
+    emit(rows, human)
+
+
+def _item_text(item: Any) -> str:
+    if isinstance(item, dict):
+        role = item.get("role") or item.get("type") or "item"
+        content = item.get("content")
+        if isinstance(content, str):
+            return f"{role}: {content}"
+        if isinstance(content, list):
+            parts = [c.get("text", "") for c in content if isinstance(c, dict)]
+            if any(parts):
+                return f"{role}: {' '.join(p for p in parts if p)}"
+        return f"{role}: {json.dumps(item, ensure_ascii=False)}"
+    return json.dumps(item, ensure_ascii=False)
+
+
+def _size(vault: Vault | PgVault, session_id: str) -> int:
+    """How many items SESSION stores (0 if none or unknown), counted in SQL, unverified."""
+    return next((s.items for s in vault.sessions() if s.session_id == session_id), 0)
+
+
+@click.command()
+@click.argument("session_id", metavar="SESSION", type=SESSION)
+@click.option(
+    "--limit",
+    type=COUNT,
+    metavar="N",
+    help="Only the newest N items.",
+)
+@click.option("--include-expired", is_flag=True, help="Also show items past the TTL.")
+@common
+def show(session_id: str, limit: int | None, include_expired: bool) -> None:
+    """Print the decrypted items of SESSION, oldest first.
+
+    Each item is numbered #position, as in `export` and `search`: its place
+    among every stored item of the session (1 = oldest). Items past the TTL
+    are left out unless --include-expired, which marks them (expired).
+
+    \b
+    Example:
+      memvault show carnet-local --limit 10
+    """
+    from vault.crypto import ItemState
+
+    vault = open_any()
+    first = 1
+    if limit is not None:
+        # Only the newest rows are read: the session's size (counted just before, in
+        # SQL) numbers them as export and search do.
+        size = _size(vault, session_id)
+    opened = list(vault.opened_items(session_id, limit, include_expired=include_expired))
+    if limit is not None:
+        first = max(size - len(opened), 0) + 1
+    shown: list[tuple[int, bool, Any]] = []
+    expired = unreadable = 0
+    for position, one in enumerate(opened, first):
+        if one.state is ItemState.EXPIRED:
+            expired += 1
+            if include_expired:
+                shown.append((position, True, one.item))
+        elif one.state is ItemState.READABLE:
+            shown.append((position, False, one.item))
+        else:
+            unreadable += 1
+    items = [item for _, _, item in shown]
+
+    def human() -> None:
+        if not opened:
+            say(f"session {session_id} is empty")
+        for position, old, it in shown:
+            click.echo(f"#{position}{' (expired)' if old else ''} {escape_text(_item_text(it))}")
+        if expired and not include_expired:  # else an expired session would print nothing
+            click.echo(
+                f"{plural(expired, 'expired item')} hidden by the TTL "
+                f"({durations.format_duration(vault.ttl)}); `memvault purge` deletes them, "
+                "--include-expired shows them"
+            )
+
+    data = {
+        "session_id": session_id,
+        "items": items,
+        "positions": [position for position, _, _ in shown],
+        "expired": expired,
+        "unreadable": unreadable,
+    }
+    emit(data, human)
+    if unreadable:
+        raise VaultError(
+            f"{plural(unreadable, 'item')} of session {session_id!r} failed authentication "
+            "(tampered, corrupt or sealed with another key) and "
+            f"{'was' if unreadable == 1 else 'were'} not shown; nothing was changed"
+        )
+
+
+@click.command()
+@click.argument("session_id", metavar="SESSION", type=SESSION)
+@click.option(
+    "-n",
+    "count",
+    type=COUNT,
+    metavar="N",
+    default=1,
+    show_default=True,
+    help="How many of the newest items to remove.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask before emptying the session.")
+@common
+def pop(session_id: str, count: int, yes: bool) -> None:
+    """Remove the newest N items of SESSION (to undo a turn, pop 2).
+
+    Asks first (unless --yes) when N reaches the session's size, since the
+    whole session would go.
+
+    \b
+    Example:
+      memvault pop carnet-local -n 2
+    """
+    vault = open_any()
+    if not yes:
+        size = _size(vault, session_id)
+        if 0 < size <= count:  # an unknown session fails in pop, with its own message
+            confirm(
+                f"Remove all {plural(size, 'item')} of session {session_id!r}, emptying it?",
+                yes,
+            )
+    result = vault.pop(session_id, count)
+    popped = result.items
+    data: dict[str, Any] = {"session_id": session_id, "popped": popped, "requested": count}
+    note = None
+    if getattr(vault, "backend", None) == "postgresql":
+        from vault.engines.postgres.vault import PG_SCRUB_NOTE
+
+        note = data["scrub"] = PG_SCRUB_NOTE
+    emit(
+        data,
+        lambda: click.echo(
+            f"removed {plural(len(popped), 'item')} from {escape_line(session_id)}"
+            + (f" (asked for {count}: it had no more)" if len(popped) < count else "")
+            + (f"\nscrub: {note}" if note else "")
+        ),
+    )
+    check_scrub(result.scrubbed)
+
+
+@click.command()
+@click.argument("session_id", metavar="SESSION", type=SESSION)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--include-unreadable",
+    is_flag=True,
+    help="Also delete items that fail authentication (refused by default).",
+)
+@common
+def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
+    """Empty SESSION; other sessions in the file are untouched.
+
+    Refuses, deleting nothing, if an item of SESSION fails authentication
+    (tampered, corrupt or under another key), unless --include-unreadable.
+
+    \b
+    Example:
+      memvault clear carnet-local --yes
+    """
+    vault = open_any()
+    refuse_writes(vault, "`memvault clear`")  # before anything is asked
+    vault.sealer()  # fail on the key before asking anything
+    confirm(f"Delete every item of session {session_id!r}?", yes)
+    result = vault.clear(session_id, include_unreadable=include_unreadable)
+    n, bad = result.deleted, result.unreadable_deleted
+    data: dict[str, Any] = {
+        "session_id": session_id,
+        "deleted": n,
+        "unreadable_deleted": bad,
+        "scrubbed": result.scrubbed,
+    }
+    note = None
+    if getattr(vault, "backend", None) == "postgresql":
+        from vault.engines.postgres.vault import PG_SCRUB_NOTE
+
+        note = data["scrub"] = PG_SCRUB_NOTE
+    emit(
+        data,
+        lambda: click.echo(
+            f"cleared {escape_line(session_id)}: {n} item(s) deleted"
+            + (f", {bad} of them unreadable" if bad else "")
+            + (f"\nscrub: {note}" if note else "")
+        ),
+    )
+    check_scrub(result.scrubbed)
+
+
+@click.command()
+@click.argument("value", required=False, callback=duration, metavar="[DURATION]")
+@common
+def ttl(value: Any) -> None:
+    """Print the vault's TTL, or set it (90s, 15m, 12h, 30d, 2w or never).
+
+    Items older than the TTL are skipped on read and removed by `purge`.
+
+    \b
+    Example:
+      memvault ttl 7d
+    """
+    vault = open_any()
+    vault.sealer()  # a revoked or missing key fails here, as every keyed command does
+    if value is not None:
+        vault.set_ttl(value[1])
+    text = durations.format_duration(vault.ttl)
+    emit(
+        {"ttl": text, "ttl_seconds": vault.ttl},
+        lambda: click.echo(f"ttl {text}" + (" (set)" if value is not None else "")),
+    )
+
+
+@click.command()
+@common
+def log() -> None:
+    """The audit trail: key and lifecycle events with counts, never content.
+
+    \b
+    Example:
+      memvault log --json
+    """
+    rows = open_any().audit_log()
+    for r in rows:
+        if r["event"] == "ttl":  # stored as seconds; shown as everywhere else (30d, never)
+            for k in ("old", "new"):
+                r[k] = _ttl_text(r.get(k))
+
+    def human() -> None:
+        for r in rows:
+            extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("at", "event", "kid"))
+            say(f"{r['at']}  {r['event']:<10} {r['kid'] or '-':<22} {extra}")
+
+    emit(rows, human)
+
+
+def _ttl_text(value: Any) -> Any:
+    if value is None or value == "never":
+        return value
+    try:
+        return durations.format_duration(int(value))
+    except (TypeError, ValueError):
+        return value  # a value an older version wrote: shown as it is
+
+
+COMMANDS = (
+    init,
+    status,
+    sessions,
+    show,
+    pop,
+    clear,
+    ttl,
+    log,
+)

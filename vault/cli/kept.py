@@ -1,0 +1,102 @@
+"""`memvault key list` and `key forget`: the key versions a vault knows, and the ones
+kept (retained) for its recorded backups. Logic in vault.retention and the engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from vault.cli.common import common, confirm, emit, open_any, say
+
+
+def backup_lines(backups: list[dict[str, Any]], indent: str = "  ") -> list[str]:
+    """One line per recorded backup: where, whether it is there, whether it opens here."""
+    from vault.retention import why
+    from vault.textsafe import escape_line
+
+    return [indent + escape_line(why(b)) for b in backups]
+
+
+@click.command("list")
+@common
+def key_list() -> None:
+    """List the key versions this vault's file knows, and the backups that need them.
+
+    State is current (the rows use it), pending (a rotation staged it), retired (a
+    rotation replaced it; its entry goes next), retained (replaced, but its entry
+    is kept, decrypt-only, because a recorded backup uses it) or destroyed. Under
+    each version: the recorded backups that use it, by absolute path, flagged
+    "missing" when the file is gone and "replaced" when another file stands there.
+    "in keyring" says whether its entry memvault/<vault_id>/<kid> exists: a
+    destroyed version still present there is another copy's (a backup restored
+    with an older kit); `memvault shred` destroys those too. Never shows a key.
+
+    \b
+    Example:
+      memvault key list
+      memvault key forget mv1:0123456789abcdef   # a retained version, on purpose
+    """
+    vault = open_any()
+    versions = vault.key_versions()
+    doc = {
+        "vault_id": vault.vault_id,
+        "keys": [
+            {
+                "kid": v.kid,
+                "state": v.state,
+                "in_keyring": v.in_keyring,
+                "created_at": v.created_at,
+                "backups": list(v.backups),
+            }
+            for v in versions
+        ],
+    }
+
+    def human() -> None:
+        click.echo(f"{'key id':<22}  {'state':<9}  {'in keyring':<10}  created")
+        for v in versions:
+            present = "yes" if v.in_keyring else "no"
+            say(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")
+            for line in backup_lines(list(v.backups), "    backup "):
+                click.echo(line)
+
+    emit(doc, human)
+
+
+@click.command("forget")
+@click.argument("kid", metavar="KID")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def key_forget(kid: str, yes: bool) -> None:
+    """Destroy a retained key version on purpose: the backups that use it die.
+
+    A rotation keeps the old version's keyring entry (retained, decrypt-only)
+    while a recorded backup uses it. This destroys that entry and drops the
+    records of those backups: they can then be read only with a recovery kit
+    that holds the version. Names what becomes unreadable and asks first
+    (or --yes). Only a retained version can be forgotten.
+
+    \b
+    Example:
+      memvault key list
+      memvault key forget mv1:0123456789abcdef --yes
+    """
+    vault = open_any()
+    lost = [
+        b for v in vault.key_versions() if v.kid == kid and v.state == "retained" for b in v.backups
+    ]
+    if lost:
+        say(f"forgetting key {kid} makes these backups unreadable here:", err=True)
+        for line in backup_lines(lost, "  "):
+            click.echo(line, err=True)
+    confirm(f"Destroy retained key {kid} of {vault.path}?", yes)
+    r = vault.forget(kid)
+
+    def human() -> None:
+        say(f"destroyed retained key {r['kid']} of vault {r['vault_id']}")
+        for b in r["unreadable"]:
+            say(f"  now unreadable here: {b['path']}")
+
+    emit(r, human)

@@ -1,0 +1,1 @@
+"""The storage engines under the vault: SQLite files and PostgreSQL."""

@@ -1,0 +1,1 @@
+"""The PostgreSQL vault: the same rows in a schema of a PostgreSQL database."""

@@ -1,0 +1,426 @@
+"""A PostgreSQL vault's admin operations: purge, pop, ttl, revoke, shred, key versions.
+
+The same meaning, results and exit codes as a file vault's (vault.engines.sqlite.vault,
+vault.engines.sqlite.lifecycle, vault.engines.sqlite.shred); `PgVault` delegates here. What differs:
+
+* `purge`, `revoke` and `shred` hold the vault's admin lock (vault.engines.postgres.lock), as
+  `rotate` does: one of them at a time across every host.
+* Scrubbing: PostgreSQL's storage is the server's, not memvault's. After deleting
+  rows memvault runs VACUUM on the tables, so the server may reuse their space;
+  it cannot overwrite pages, WAL segments, archives, replicas or backups. Destroying
+  the key is the guarantee; deleting the rows is best effort (SECURITY.md).
+* `shred` has no files to overwrite: it destroys every recorded key version's
+  keyring entry, deletes the rows, VACUUMs, then drops the vault's tables, and the
+  URL's `?schema=` if `memvault init` created it and nothing else is left in it.
+  A shred cut off at any step is finished by the next one, with the same report.
+* Revoke and shred destroy the entries of this host's keyring only: every other
+  host runs `memvault revoke` too (docs/postgres.md, "Several hosts").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from vault import crypto, exportdirs, keyjournal, testhooks
+from vault.engines.postgres import kept as pgkept
+from vault.engines.postgres.conn import translate_after
+from vault.engines.postgres.lock import admin_lock
+from vault.engines.postgres.rotate import FROM, PROGRESS, ROW_BATCH, kid_of
+from vault.engines.postgres.schema import _q, audit, current_schema, record_key
+from vault.engines.sqlite.db import parse_ttl
+from vault.engines.sqlite.lifecycle import KeyVersionInfo, refuse_revoked, with_backups
+from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, utcnow
+from vault.engines.sqlite.shred import SHRED_FIELDS
+from vault.errors import KeyProblem, OperationFailed, VaultBusy
+from vault.files import Progress
+from vault.keyjournal import CURRENT, DESTROYED, PENDING, entry_name
+from vault.results import Popped, Report
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.base import Keys
+    from vault.engines.postgres.vault import PgVault
+
+T = TypeVar("T")
+DEFAULT_BATCH = 500
+PG_PURGE_NOTE = (
+    "VACUUM ran on the table, so PostgreSQL may reuse the deleted rows' space; it does not "
+    "overwrite them: their ciphertext may stay in its pages, WAL, archives, replicas and "
+    "backups, under the vault's key"
+)
+PG_SHRED_FILES_NOTE = (
+    "not applicable on PostgreSQL: the server's files are not memvault's to overwrite; the "
+    "rows were deleted, the tables VACUUMed and dropped; copies in the server's WAL, "
+    "archives, replicas and backups stay, unreadable now that the key is destroyed"
+)
+# The vault's tables, dropped by `shred` in this order (the messages, and their trigger, first).
+VAULT_TABLES = (
+    MESSAGES_TABLE,
+    SESSIONS_TABLE,
+    "memvault_audit",
+    "memvault_backups",
+    "memvault_keys",
+    "memvault_migrations",
+    "memvault_meta",
+)
+
+
+async def _set(conn: Any, **values: str) -> None:
+    await conn.executemany(
+        "INSERT INTO memvault_meta (key, value) VALUES ($1, $2) "
+        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        list(values.items()),
+    )
+
+
+def _locked(vault: PgVault, body: Callable[[Any, str], Awaitable[T]]) -> T:
+    """`body(conn, schema)` on one connection holding the admin lock (no vault: exit 3
+    before any lock is taken)."""
+
+    async def go() -> T:
+        conn = await vault.connect()
+        try:
+            schema = await current_schema(conn)
+            await vault.read_meta(conn)
+            assert schema is not None
+            async with admin_lock(conn, schema, vault.path):
+                return await body(conn, schema)
+        finally:
+            await conn.close()
+
+    return vault.call(go)
+
+
+async def known_kids(conn: Any, meta: dict[str, str]) -> set[str]:
+    """Every key id this vault ever named: the journal, the meta and the audit trail
+    (vault.keyjournal.known_kids's twin)."""
+    kids = {r[0] for r in await conn.fetch("SELECT kid FROM memvault_keys")}
+    kids.update(meta[k] for k in ("kid", "revoked_kid", FROM) if crypto.looks_like_kid(meta.get(k)))
+    for kid, details in await conn.fetch("SELECT kid, details FROM memvault_audit"):
+        if crypto.looks_like_kid(kid):
+            kids.add(kid)
+        with contextlib.suppress(ValueError, AttributeError):
+            old = json.loads(details).get("old_kid")
+            if crypto.looks_like_kid(old):
+                kids.add(old)
+    return kids
+
+
+async def _in_use(conn: Any, kid: str, meta: dict[str, str]) -> set[str]:
+    """The versions the vault itself uses or staged: the rest are other copies' keys."""
+    rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE state = $1", PENDING)
+    return {kid} | {r[0] for r in rows} | ({meta[FROM]} if FROM in meta else set())
+
+
+# -- the history ---------------------------------------------------------
+def purge(
+    vault: PgVault,
+    now: int | None = None,
+    progress: Progress | None = None,
+    batch: int = DEFAULT_BATCH,
+) -> Report:
+    """Delete the items that authenticate and are past the TTL, in batches (each its own
+    transaction), then VACUUM. Unreadable items stay; so do fresh ones."""
+    vault.sealer()  # the key errors (missing, revoked) before any lock
+
+    async def body(conn: Any, _schema: str) -> Report:
+        meta = await vault.read_meta(conn)
+        refuse_revoked(meta)
+        ttl = parse_ttl(meta, vault.path)  # type: ignore[arg-type]
+        current = int(time.time()) if now is None else now
+        # Under the admin lock no rotation moves on: the kids in use stay these.
+        keys: Keys | None = vault.keys_for(meta["kid"], meta.get(FROM))
+        if keys is None:
+            raise VaultBusy(f"{vault.path} changed key while the purge began; try again")
+        default = keys[meta["kid"]]
+        deleted = kept = unreadable = 0
+        last = 0
+        while True:
+            async with conn.transaction():
+                rows = await conn.fetch(ROW_BATCH, last, batch)
+                if not rows:
+                    break
+                doomed, fresh, bad = crypto.triage(
+                    rows, lambda data: keys.get(kid_of(data) or "", default), ttl, current
+                )
+                kept, unreadable = kept + fresh, unreadable + bad
+                await conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", doomed)
+                deleted += len(doomed)
+                last = rows[-1][0]
+            if progress:
+                progress(len(rows))
+            testhooks.failpoint("pg-purge-after-batch")
+        async with conn.transaction():
+            await audit(
+                conn, "purge", meta["kid"], deleted=deleted, kept=kept, unreadable=unreadable
+            )
+        if deleted:
+            await conn.execute(f"VACUUM {MESSAGES_TABLE}")
+        return Report(
+            {"deleted": deleted, "kept": kept, "unreadable": unreadable, "vacuumed": deleted > 0},
+            True,
+        )
+
+    return _locked(vault, body)
+
+
+def pop(vault: PgVault, session_id: str, n: int = 1) -> Popped:
+    """Remove the newest `n` items; refuses, removing nothing, if one does not authenticate."""
+    if n <= 0:
+        raise OperationFailed("the number of items to pop must be positive")
+
+    async def body(conn: Any, keys: Keys, current: crypto.Sealer) -> Popped:
+        await vault.require_session(conn, session_id)
+        rows = await conn.fetch(
+            f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
+            "ORDER BY created_at DESC, id DESC LIMIT $2 FOR UPDATE",
+            session_id,
+            n,
+        )
+        popped = []
+        for row_id, data in rows:
+            opened = keys.get(kid_of(data) or "", current).open(session_id, data, None)
+            if opened.state is not crypto.ItemState.READABLE:
+                raise OperationFailed(
+                    f"item {row_id} of session {session_id!r} does not authenticate "
+                    "(tampered, corrupt or under another key); nothing was removed"
+                )
+            popped.append(opened.item)
+        await conn.executemany(
+            f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", [(r[0],) for r in rows]
+        )
+        return Popped(popped, True)
+
+    return vault.change(body)
+
+
+def set_ttl(vault: PgVault, ttl: int | None) -> None:
+    """Set the vault-wide TTL (audited with the old and new values)."""
+
+    async def body(conn: Any, _keys: Keys, current: crypto.Sealer) -> None:
+        old = (await vault.read_meta(conn)).get("ttl_seconds")
+        new = "never" if ttl is None else str(ttl)
+        await _set(conn, ttl_seconds=new)
+        await audit(conn, "ttl", current.kid, old=old, new=new)
+
+    vault.change(body)
+
+
+# -- the key -------------------------------------------------------------
+def revoke(vault: PgVault) -> dict[str, Any]:
+    """Mark the vault revoked, then destroy every recorded key version's entry in this
+    host's keyring (engines.sqlite.lifecycle.KeyLifecycle.revoke's twin). The rows stay, unreadable.
+
+    The mark comes first: from then on the guard refuses every write (the meta's kid
+    is "revoked"), and a revoke cut off before the keyring is finished by the next
+    one. Run on another host, it finds the vault revoked and destroys that host's entries.
+    """
+    ks = vault.keystore
+    ks.check_usable()
+
+    async def body(conn: Any, _schema: str) -> dict[str, Any]:
+        async with conn.transaction():
+            meta = await vault.read_meta(conn)
+            vault_id = meta["vault_id"]
+            kid = meta.get("revoked_kid", meta["kid"])
+            already = "revoked_at" in meta
+            kids = await known_kids(conn, meta)
+            in_use = await _in_use(conn, kid, meta)
+            if not already:
+                await _set(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
+                # A rotation cut off can never finish now: its marks go.
+                await conn.execute(
+                    "DELETE FROM memvault_meta WHERE key = ANY($1)", [FROM, PROGRESS]
+                )
+                await audit(conn, "revoke", kid)
+        testhooks.failpoint("pg-revoke-after-mark")
+        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+        try:
+            async with conn.transaction():
+                for k in sorted(kids):
+                    await record_key(conn, k, DESTROYED)
+        except Exception as exc:
+            raise translate_after(
+                exc,
+                vault.loc,
+                "the vault is marked revoked and this keyring's entries of it are destroyed; "
+                "fix that, then run `memvault revoke --yes` again to finish",
+            ) from None
+        return {"vault_id": vault_id, "kid": kid, "already_revoked": already, **outcome}
+
+    try:
+        return _locked(vault, body)
+    finally:
+        vault.forget_keys()
+
+
+def shred(vault: PgVault) -> dict[str, Any]:
+    """Destroy a PostgreSQL vault: lock, key, rows (then VACUUM), tables, schema.
+
+    Works without the key (revoked, or this keyring never had it). What was destroyed
+    is recorded in the meta before the rows go, so a shred cut off is finished by the
+    next run with the same report (`resumed`).
+    """
+    ks = vault.keystore
+    ks.check_usable()
+    report: dict[str, Any] = {"path": vault.path, "backend": vault.backend, "resumed": False}
+
+    async def body(conn: Any, schema: str) -> dict[str, Any]:
+        report["schema"] = schema
+        async with conn.transaction():
+            meta = await vault.read_meta(conn)
+            vault_id = meta["vault_id"]
+            kid = meta.get("revoked_kid", meta["kid"])
+            report["vault_id"], report["kid"] = vault_id, kid
+            created = meta.get("schema_created")
+            if "shred_started" in meta:
+                report.update(json.loads(meta["shred_started"]))
+                report["resumed"] = True
+            else:
+                report["sessions"] = await conn.fetchval(
+                    f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+                    f"SELECT session_id FROM {MESSAGES_TABLE}) AS s"
+                )
+                report["items"] = await conn.fetchval(f"SELECT count(*) FROM {MESSAGES_TABLE}")
+                for k in SHRED_FIELDS[4:]:
+                    report[k] = None
+                # The guard refuses every write from here on (the kid is no envelope's).
+                marks = {} if "revoked_at" in meta else {"revoked_at": utcnow(), "revoked_kid": kid}
+                await _set(
+                    conn,
+                    kid="revoked",
+                    shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}),
+                    **marks,
+                )
+            kids = await known_kids(conn, meta)
+            in_use = await _in_use(conn, kid, meta)
+        testhooks.failpoint("pg-shred-after-mark")
+        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+        if report.get("key_destroyed") is None or outcome["key_destroyed"]:
+            # A resumed run keeps what the first one destroyed, adding what it finds now.
+            before = set(report.get("destroyed_kids") or [])
+            outcome["destroyed_kids"] = sorted(before | set(outcome["destroyed_kids"]))
+            outcome["other_copies_kids"] = sorted(
+                set(report.get("other_copies_kids") or []) | set(outcome["other_copies_kids"])
+            )
+            outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
+            report.update(outcome)
+        try:
+            async with conn.transaction():
+                for k in sorted(kids):
+                    await record_key(conn, k, DESTROYED)
+                await _set(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
+            testhooks.failpoint("pg-shred-after-keys")
+            async with conn.transaction():
+                await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
+                await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
+            await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
+            testhooks.failpoint("pg-shred-after-vacuum")
+            async with conn.transaction():
+                # The audit trail goes with the tables: first, where forced exports wrote.
+                rows = []
+                if await conn.fetchval("SELECT to_regclass('memvault_audit')") is not None:
+                    rows = await conn.fetch(
+                        "SELECT event, details FROM memvault_audit WHERE event = $1",
+                        exportdirs.EVENT,
+                    )
+                folders = exportdirs.recorded({"event": e, **json.loads(d)} for e, d in rows)
+                for table in VAULT_TABLES:
+                    await conn.execute(f"DROP TABLE IF EXISTS {table}")
+                await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
+            report["tables_dropped"] = list(VAULT_TABLES)
+            report["vacuumed"] = True
+            report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
+                conn, schema, created
+            )
+        except Exception as exc:
+            raise translate_after(
+                exc,
+                vault.loc,
+                "the vault's keys are already destroyed (its rows can never be read again); "
+                "fix that, then run `memvault shred` again to finish",
+            ) from None
+        # A killed `export --force` of this vault may have left plaintext where it wrote.
+        report["files"] = exportdirs.clean(folders)
+        report["files_note"] = PG_SHRED_FILES_NOTE
+        report["at"] = utcnow()
+        return report
+
+    try:
+        return _locked(vault, body)
+    finally:
+        vault.forget_keys()
+
+
+async def _drop_schema(conn: Any, schema: str, created: str | None) -> tuple[bool, str | None]:
+    """Drop the vault's schema if `memvault init` created it and nothing else is in it.
+
+    The tables are gone already, so a refusal here (other objects, no privilege) keeps
+    the schema and says why: the shred itself has succeeded.
+    """
+    if created != schema:
+        return False, "memvault init did not create it"
+    try:
+        async with conn.transaction():
+            await conn.execute(f"DROP SCHEMA {_q(schema)} RESTRICT")
+    except Exception as exc:
+        state = getattr(exc, "sqlstate", None)
+        if state == "2BP01":  # dependent objects still exist
+            return False, "it holds other objects"
+        if state is None:
+            raise
+        return False, f"the server refused to drop it ({state})"
+    return True, None
+
+
+def key_versions(vault: PgVault) -> list[KeyVersionInfo]:
+    """Every key version the vault records, with its state and whether this host's
+    keyring holds its entry (vault.engines.sqlite.lifecycle.KeyLifecycle.key_versions's twin)."""
+    with contextlib.suppress(KeyProblem):
+        vault.sealer(refresh=True)
+
+    async def read(conn: Any) -> tuple[dict[str, str], list[Any], set[str]]:
+        meta = await vault.read_meta(conn)
+        recorded = await conn.fetch("SELECT kid, state, created_at FROM memvault_keys ORDER BY seq")
+        return meta, list(recorded), await known_kids(conn, meta)
+
+    meta, recorded, kids = vault.run(read)
+    ks = vault.keystore
+    ks.check_usable()
+    here = keyjournal.present(ks, meta["vault_id"], kids)
+    out = [KeyVersionInfo(k, s, k in here, c or None) for k, s, c in recorded]
+    seen = {v.kid for v in out}
+    for kid in sorted(kids - seen):
+        state = CURRENT if kid == meta["kid"] else DESTROYED
+        out.append(KeyVersionInfo(kid, state, kid in here, None))
+    return with_backups(out, pgkept.records_of(vault))
+
+
+def forget_destroyed(vault: PgVault) -> list[str]:
+    """Delete this host's entries of the versions the vault records as destroyed.
+
+    A rotation on one host destroys the old key there only; `key import` of the new
+    kit on another host calls this, so the old key leaves that host's keyring too.
+    """
+
+    async def read(conn: Any) -> tuple[str, list[str]]:
+        meta = await vault.read_meta(conn)
+        rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE state = $1", DESTROYED)
+        return meta["vault_id"], [r[0] for r in rows]
+
+    vault_id, kids = vault.run(read)
+    ks = vault.keystore
+    return [k for k in kids if ks.delete(entry_name(vault_id, k))]
+
+
+def kept_for_rotation(vault: PgVault) -> list[str]:
+    """The key a running (or cut-off) rotation still moves rows from, if this keyring holds
+    it: `key import` cannot delete it yet (those rows need it), and says to run again."""
+    meta = vault.meta()
+    old = meta.get(FROM)
+    if old is None or vault.keystore.get(entry_name(meta["vault_id"], old)) is None:
+        return []
+    return [old]

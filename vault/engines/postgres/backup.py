@@ -1,0 +1,180 @@
+"""`memvault backup` of a PostgreSQL vault: one snapshot into a new SQLite vault file.
+
+The rows are copied as they are (ciphertext under the vault's key), with the
+same vault id, key id, meta, key journal and audit trail, into a file made
+0600 by the one private-file writer (never through a link): `memvault --db
+FILE verify` / `show` open it with the same keyring entry, as they open a file
+vault's backup. The snapshot is one read-only REPEATABLE READ transaction, read
+in batches from a server-side cursor; the file is settled and checked as
+vault.engines.sqlite.backup settles its own copies. Not a restore path into PostgreSQL: that
+is pg_dump's job.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vault.engines.postgres import rotate as pgrotate
+from vault.engines.postgres import schema as pgschema
+from vault.engines.sqlite import backup as file_backup
+from vault.engines.sqlite.db import connect, sqlite_errors
+from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
+from vault.errors import KeyRevoked, OperationFailed, VaultBusy
+from vault.keyjournal import CURRENT, DESTROYED
+from vault.verify import BATCH
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.vault import PgVault
+
+
+def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupResult:
+    """Copy one snapshot of the PostgreSQL vault into the new SQLite vault file `dest`.
+
+    The rows are copied as they are (ciphertext under the vault's key), with the
+    same vault id, key id, meta, key journal and audit trail: `memvault --db DEST`
+    opens the copy with the same keyring entry. Raises BadInput for an unusable
+    `dest`, KeyRevoked for a revoked vault, VaultBusy while a rotation is under way.
+    """
+    meta = vault.meta()
+    _refuse(vault, meta)
+    target = file_backup.check_destination(dest, None)
+    # Recorded in the vault first, and marked, as a file vault's backup is
+    # (vault.engines.sqlite.backup.recorded_copy, vault.backupmark).
+    rec, (kid, vault_id, sessions, items) = file_backup.recorded_copy(
+        vault,
+        target,
+        lambda rec, keep: file_backup.write_new_copy(
+            target,
+            lambda dest: _copy(vault, dest),
+            file_backup.mark_as_backup(meta["vault_id"], rec.backup_id, str(vault.path)),
+            keep,
+        ),
+    )
+    key_problem = file_backup.key_check(vault, rec, kid)
+    audited = True
+    try:
+        vault.run(
+            lambda conn: pgschema.audit(
+                conn, "backup", kid, items=items, sessions=sessions, to=rec.path
+            ),
+            write=True,
+        )
+    except (VaultBusy, OperationFailed):
+        audited = False
+    st = os.stat(target)
+    restore = file_backup.restore_steps(target, kid, key_problem is None)
+    if key_problem is None:  # `key export` reads the copy: the same keyring entry
+        restore[0] = (
+            f"memvault --db {target} key export kit.json  # here: a recovery kit for key {kid}, "
+            "kept apart"
+        )
+    return file_backup.BackupResult(
+        path=rec.path,
+        source=vault.path,
+        vault_id=vault_id,
+        kid=kid,
+        sessions=sessions,
+        items=items,
+        size=st.st_size,
+        mode=oct(stat.S_IMODE(st.st_mode)),
+        key=file_backup.KEY_OK if key_problem is None else file_backup.KEY_UNUSABLE,
+        key_problem=key_problem,
+        restore=restore,
+        audited=audited,
+        backup_id=rec.backup_id,
+    )
+
+
+def _refuse(vault: PgVault, meta: dict[str, str]) -> None:
+    if "revoked_at" in meta:
+        raise KeyRevoked(
+            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; a "
+            "backup could never be read; nothing was written"
+        )
+    if "shred_started" in meta:
+        raise OperationFailed(
+            f"a shred of {vault.path} was interrupted; run `memvault shred` again to finish "
+            "it; nothing was written"
+        )
+    if pgrotate.FROM in meta:
+        # A file's guard admits only the current kid: rows still under the old key
+        # cannot enter the copy until the rotation has moved them.
+        raise VaultBusy(
+            f"a key rotation of {vault.path} is under way (or was cut off); wait for it, or "
+            "run `memvault rotate` to finish it, then back up; nothing was written"
+        )
+
+
+def _copy(vault: PgVault, target: Path) -> None:
+    """Build the vault file: memvault's schema, then the snapshot's rows in batches."""
+    with sqlite_errors(target):
+        out = connect(target)
+        try:
+            out.execute("BEGIN IMMEDIATE")
+            migrate(out)
+
+            async def read(conn: Any) -> None:
+                meta = {
+                    r[0]: r[1] for r in await conn.fetch("SELECT key, value FROM memvault_meta")
+                }
+                _refuse(vault, meta)  # again, in the snapshot that is copied
+                out.executemany(
+                    "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
+                )
+                # Only the versions the copy uses or that are gone: a pending or retired
+                # entry belongs to the server's rotation, and the file's tidy-up on open
+                # would delete it from the keyring under that rotation's feet; a retained
+                # one is the server's to keep for its backups (their records stay there).
+                out.executemany(
+                    "INSERT INTO memvault_keys (kid, state, created_at, changed_at) "
+                    "VALUES (?, ?, ?, ?)",
+                    [
+                        tuple(r)
+                        for r in await conn.fetch(
+                            "SELECT kid, state, created_at, changed_at FROM memvault_keys "
+                            "WHERE state = ANY($1::text[]) ORDER BY seq",
+                            [CURRENT, DESTROYED],
+                        )
+                    ],
+                )
+                out.executemany(
+                    "INSERT INTO memvault_audit (at, event, kid, details) VALUES (?, ?, ?, ?)",
+                    [
+                        tuple(r)
+                        for r in await conn.fetch(
+                            "SELECT at, event, kid, details FROM memvault_audit ORDER BY id"
+                        )
+                    ],
+                )
+                when = "to_char({}, 'YYYY-MM-DD HH24:MI:SS')"  # SQLite's CURRENT_TIMESTAMP
+                out.executemany(
+                    f"INSERT INTO {SESSIONS_TABLE} (session_id, created_at, updated_at) "
+                    "VALUES (?, ?, ?)",
+                    [
+                        tuple(r)
+                        for r in await conn.fetch(
+                            f"SELECT session_id, {when.format('created_at')}, "
+                            f"{when.format('updated_at')} FROM {SESSIONS_TABLE}"
+                        )
+                    ],
+                )
+                # In the agent session's order: the file numbers them afresh, so its
+                # `ORDER BY id` reads each session as the server's (created_at, id) does.
+                cursor = await conn.cursor(
+                    f"SELECT session_id, message_data, {when.format('created_at')} "
+                    f"FROM {MESSAGES_TABLE} ORDER BY created_at, id"
+                )
+                while batch := await cursor.fetch(BATCH):
+                    out.executemany(
+                        f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
+                        "VALUES (?, ?, ?)",
+                        [tuple(r) for r in batch],
+                    )
+
+            vault.run(read)
+            out.execute("COMMIT")
+        finally:
+            out.close()

@@ -1,0 +1,245 @@
+"""`PgVaultBase`: a PostgreSQL vault's connections, meta and keys; postgres.vault builds on it.
+
+As `VaultFile` and `KeyLifecycle` are to `Vault`: each operation opens one
+asyncpg connection on an event loop of its own (vault.engines.postgres.conn); the key is the
+keyring entry `<vault_id>/<kid>`, as for a file; while an online rotation runs
+(vault.engines.postgres.rotate) the key it moves rows from stays readable too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar, cast
+
+from vault import crypto
+from vault.engines.postgres import rotate as pgrotate
+from vault.engines.postgres import schema as pgschema
+from vault.engines.postgres.conn import connect, is_driver_error, run_sync, translate
+from vault.engines.postgres.url import PgLocation
+from vault.engines.sqlite.db import parse_ttl
+from vault.engines.sqlite.lifecycle import refuse_revoked
+from vault.errors import KeyMissing, NotAVault, OperationFailed, VaultBusy, VaultError
+from vault.keyjournal import entry_name
+from vault.keys import KeyStore, require_key
+
+T = TypeVar("T")
+# What a host says once another host rotated and its keyring lacks the new key.
+KEY_CHANGED = "the vault's key changed: import the new recovery kit"
+Keys = dict[str, crypto.Sealer]
+
+
+class PgVaultBase:
+    """A PostgreSQL vault's location, connections, meta and keys."""
+
+    def __init__(self, loc: PgLocation, keystore: KeyStore | None = None) -> None:
+        self.loc = loc
+        self.path = loc.display  # what messages and `status` show: never the password
+        self._keystore = keystore
+        self._sealer: crypto.Sealer | None = None
+        # The key a running rotation moves rows from (engines.postgres.rotate), by kid, once loaded.
+        self._others: dict[str, crypto.Sealer] = {}
+
+    @property
+    def keystore(self) -> KeyStore:
+        if self._keystore is None:
+            self._keystore = KeyStore()
+        return self._keystore
+
+    # -- connections ----------------------------------------------------
+    async def connect(self) -> Any:
+        return await connect(self.loc)
+
+    def run(self, body: Callable[[Any], Awaitable[T]], *, write: bool = False) -> T:
+        """`body(conn)` in one transaction (REPEATABLE READ snapshot when reading)."""
+
+        async def go() -> T:
+            conn = await self.connect()
+            try:
+                if write:
+                    async with conn.transaction():
+                        return await body(conn)
+                async with conn.transaction(isolation="repeatable_read", readonly=True):
+                    return await body(conn)
+            finally:
+                await conn.close()
+
+        return self.call(go)
+
+    def call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run a coroutine on a loop of its own; driver and server errors become VaultErrors."""
+        try:
+            return run_sync(make)
+        except VaultError:
+            raise
+        except Exception as exc:
+            if not is_driver_error(exc):
+                raise
+            raise translate(exc, self.loc) from None
+
+    async def read_meta(self, conn: Any) -> dict[str, str]:
+        if await conn.fetchval("SELECT to_regclass('memvault_meta')") is None:
+            await self.refuse_unusable_schema(conn)
+            raise self.no_vault(await pgschema.current_schema(conn))
+        meta = {r[0]: r[1] for r in await conn.fetch("SELECT key, value FROM memvault_meta")}
+        for required in ("format", "vault_id", "kid"):
+            if required not in meta:
+                raise NotAVault(f"{self.path} lacks the vault's {required}; it is not usable")
+        return meta
+
+    async def refuse_unusable_schema(self, conn: Any) -> None:
+        """The URL's schema exists but this user lacks USAGE on it: the server then hides
+        every table in it, and "no vault, run init" would send the user the wrong way."""
+        if self.loc.schema and await conn.fetchval(
+            "SELECT NOT has_schema_privilege(oid, 'USAGE') FROM pg_namespace WHERE nspname = $1",
+            self.loc.schema,
+        ):
+            raise OperationFailed(
+                f"the PostgreSQL user of {self.path} lacks USAGE on schema "
+                f"{self.loc.schema!r}, so it cannot see a vault there; grant it (GRANT USAGE "
+                "ON SCHEMA ... TO ...), or use the vault's owner; nothing was changed"
+            )
+
+    def no_vault(self, schema: str | None) -> NotAVault:
+        where = f"schema {schema!r} of " if schema else ""
+        return NotAVault(
+            f"no vault in {where}{self.path}; create one with `memvault init`, or point --db / "
+            "MEMVAULT_DB at an existing vault"
+        )
+
+    # -- meta and key ---------------------------------------------------
+    def meta(self) -> dict[str, str]:
+        return self.run(self.read_meta)
+
+    @property
+    def vault_id(self) -> str:
+        return self.meta()["vault_id"]
+
+    @property
+    def ttl(self) -> int | None:
+        return parse_ttl(self.meta(), self.path)  # type: ignore[arg-type]
+
+    def sealer(self, refresh: bool = False) -> crypto.Sealer:
+        """The sealer of the key the vault uses now: the entry `<vault_id>/<kid>`."""
+        if self._sealer is not None and not refresh:
+            return self._sealer
+        ks = self.keystore
+        ks.check_usable()
+        for _attempt in range(5):
+            meta = self.meta()
+            refuse_revoked(meta)
+            vault_id, kid = meta["vault_id"], meta["kid"]
+            key = ks.get(entry_name(vault_id, kid))
+            if key is None and self.meta()["kid"] != kid:
+                continue  # a rotation committed and dropped that entry meanwhile
+            if key is None:
+                self._refuse_changed_key(vault_id, kid)
+            self._sealer = crypto.Sealer(require_key(key, vault_id, kid, ks.name))
+            return self._sealer
+        raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
+
+    def _refuse_changed_key(self, vault_id: str, kid: str) -> None:
+        """The current key is not in this keyring: if an older version of this vault is,
+        another host rotated, and this one must import the new kit (KeyMissing, exit 4)."""
+
+        async def read(conn: Any) -> list[str]:
+            rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE kid <> $1", kid)
+            return [r[0] for r in rows]
+
+        held = [k for k in self.run(read) if self.keystore.get(entry_name(vault_id, k))]
+        if held:
+            raise KeyMissing(
+                f"{KEY_CHANGED} (vault {vault_id} now uses key {kid}; this keyring "
+                f"({self.keystore.name}) holds only {', '.join(sorted(held))}): on a host "
+                "that has the key run `memvault key export KIT`, bring KIT here, then run "
+                "`memvault key import KIT`"
+            )
+
+    def cached_sealer(self, kid: str) -> crypto.Sealer | None:
+        """The sealer of a retired key this object already loaded for a rotation, if any."""
+        return self._others.get(kid)
+
+    def sealer_for_kid(self, kid: str | None) -> crypto.Sealer | None:
+        """The sealer of a key id still in use besides the current one: the key a running
+        rotation moves rows from. None for any other kid, or once that rotation ended."""
+        if kid is None:
+            return None
+        if self._sealer is not None and kid == self._sealer.kid:
+            return self._sealer
+        if kid in self._others:
+            return self._others[kid]
+        meta = self.meta()
+        if meta.get(pgrotate.FROM) != kid:
+            return None
+        ks = self.keystore
+        key = ks.get(entry_name(meta["vault_id"], kid))
+        if key is None and self.meta().get(pgrotate.FROM) != kid:
+            return None  # the rotation finished and deleted the entry meanwhile
+        if key is None:
+            # A host that imported the new kit during the rotation: no kit holds the old
+            # key any more (an older one is refused), so "import KIT" would be no way out.
+            raise KeyMissing(
+                f"a rotation of vault {meta['vault_id']} is still moving rows from key {kid}, "
+                f"which this keyring ({ks.name}) does not hold; those rows open once it "
+                "ends: wait for it, or, if it was cut off, run `memvault rotate` on a host "
+                "that holds that key"
+            )
+        self._others[kid] = crypto.Sealer(require_key(key, meta["vault_id"], kid, ks.name))
+        return self._others[kid]
+
+    def use_key(self, sealer: crypto.Sealer, retired: str | None = None) -> None:
+        """Hold `sealer` as the current key (a rotation just moved to it); drop `retired`."""
+        self._sealer = sealer
+        if retired is not None:
+            self._others.pop(retired, None)
+
+    def forget_keys(self) -> None:
+        """Drop the keys loaded so far: after a revoke or shred they are gone from the keyring."""
+        self._sealer = None
+        self._others.clear()
+
+    def keys_for(self, kid: str, old_kid: str | None) -> dict[str, crypto.Sealer] | None:
+        """The sealers of the kids a snapshot says are in use (the current one, and the old
+        one while a rotation runs); None when the vault moved on since: read again."""
+        current = self.sealer()
+        if current.kid != kid:
+            current = self.sealer(refresh=True)
+            if current.kid != kid:
+                return None
+        keys = {kid: current}
+        if old_kid is not None:
+            old = self.sealer_for_kid(old_kid)
+            if old is None:
+                return None
+            keys[old_kid] = old
+        return keys
+
+    async def _locked_kids(self, conn: Any) -> tuple[str, str | None]:
+        """(current kid, kid a rotation moves from), their rows locked until the transaction
+        ends: a rotation can neither switch nor finish under this change."""
+        await self.read_meta(conn)
+        rows = await conn.fetch(
+            "SELECT key, value FROM memvault_meta WHERE key IN ('kid', $1) FOR SHARE",
+            pgrotate.FROM,
+        )
+        found = {k: v for k, v in rows}
+        return found["kid"], found.get(pgrotate.FROM)
+
+    # -- changing -------------------------------------------------------
+    def change(self, body: Callable[[Any, Keys, crypto.Sealer], Awaitable[T]]) -> T:
+        """`body(conn, keys, current)` in a write transaction holding the kids' meta rows, with
+        the sealers of every kid in use (the old one too while a rotation runs)."""
+        current = self.sealer()
+        keys: Keys = {current.kid: current}
+        for _attempt in range(5):
+
+            async def change(conn: Any, keys: Keys = keys) -> tuple[bool, Any, Any]:
+                kid, old_kid = await self._locked_kids(conn)
+                if kid not in keys or (old_kid is not None and old_kid not in keys):
+                    return False, None, (kid, old_kid)  # the key moved on: reload, start again
+                return True, await body(conn, keys, keys[kid]), None
+
+            done, result, wanted = self.run(change, write=True)
+            if done:
+                return cast(T, result)
+            keys = self.keys_for(*wanted) or keys
+        raise VaultBusy(f"{self.path} changed key while this command ran; try again")

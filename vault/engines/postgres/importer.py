@@ -1,0 +1,138 @@
+"""`memvault import` into a PostgreSQL vault: the file importer, writing to the server.
+
+vault.importer reads, checks and (with --shred-source) destroys the plaintext
+source; only the writing differs. Each session goes in with ONE transaction
+that holds the vault's key id (vault.engines.postgres.base `change`: a rotation can neither
+switch nor finish meanwhile), is read back, decrypted and compared with the
+source before COMMIT, and is audited in it, as on a file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+from typing import TYPE_CHECKING, Any, cast
+
+from vault import crypto, testhooks
+from vault.engines.postgres import schema as pgschema
+from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
+from vault.errors import OperationFailed
+from vault.files import Progress
+from vault.import_source import SourceSession, digest_update
+from vault.importer import BATCH, Importer
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.base import Keys
+    from vault.engines.postgres.vault import PgVault
+
+
+def _when(value: Any) -> _dt.datetime | None:
+    """A source row's `created_at` (SQLite's text) as a timestamp; None: the server's now."""
+    if not isinstance(value, str):
+        return None
+    try:
+        when = _dt.datetime.fromisoformat(value.strip())
+    except ValueError:
+        return None
+    if when.tzinfo is not None:
+        when = when.astimezone(_dt.UTC).replace(tzinfo=None)
+    return when
+
+
+class PgImporter(Importer):
+    """`Importer` whose sessions go into a PostgreSQL vault."""
+
+    @property
+    def pg(self) -> PgVault:
+        # The base class reads the vault through what both kinds offer (path,
+        # session_ids, sealer, record); the writing is this class's own.
+        return cast("PgVault", self.vault)
+
+    def _import_session(
+        self,
+        s: SourceSession,
+        sealer: crypto.Sealer,
+        part: int,
+        parts: int,
+        progress: Progress | None,
+    ) -> int:
+        sid = s.session_id
+        rows = self._source_rows(s)
+
+        async def body(conn: Any, keys: Keys, current: crypto.Sealer) -> int:
+            if await conn.fetchval(
+                f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = $1 UNION ALL "
+                f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = $1 LIMIT 1",
+                sid,
+            ):
+                raise OperationFailed(
+                    f"session {sid!r} appeared in the vault during the import; it was not "
+                    f"imported ({part - 1} session(s) before it were)"
+                )
+            await conn.execute(
+                f"INSERT INTO {SESSIONS_TABLE} (session_id, created_at, updated_at) VALUES "
+                "($1, coalesce($2::timestamp, localtimestamp), "
+                "coalesce($3::timestamp, localtimestamp))",
+                sid,
+                _when(s.created_at),
+                _when(s.updated_at),
+            )
+            source_digest = hashlib.sha256()
+            count = 0
+            # The server reads a session by (created_at, id): the times are kept, never
+            # let to run backwards, so that order stays the source's id order.
+            last: _dt.datetime | None = None
+            while batch := rows.fetchmany(BATCH):
+                sealed = []
+                for row_id, data, created in batch:
+                    item = self._decode(self.plan, sid, row_id, data)
+                    digest_update(source_digest, item)
+                    when = _when(created)
+                    if when is not None and last is not None and when < last:
+                        when = last
+                    last = when or last
+                    sealed.append((sid, current.seal(sid, item), when))
+                await conn.executemany(
+                    f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
+                    "VALUES ($1, $2, coalesce($3::timestamp, localtimestamp))",
+                    sealed,
+                )
+                count += len(batch)
+                if progress:
+                    progress(len(batch))
+                testhooks.failpoint("import-in-transaction")
+            # Read back, inside the transaction: same count, same items, same order.
+            vault_digest = hashlib.sha256()
+            stored = 0
+            async for record in conn.cursor(
+                f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
+                "ORDER BY created_at, id",
+                sid,
+            ):
+                opened = current.open(sid, record[0], None)
+                if opened.state is not crypto.ItemState.READABLE:
+                    break
+                digest_update(vault_digest, opened.item)
+                stored += 1
+            if (
+                stored != count
+                or count != s.items
+                or vault_digest.digest() != source_digest.digest()
+            ):
+                raise OperationFailed(
+                    f"verification of session {sid!r} failed ({count} item(s) read from the "
+                    f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
+                    f"back and not imported ({part - 1} session(s) before it were)"
+                )
+            await pgschema.audit(
+                conn,
+                "import",
+                current.kid,
+                items=count,
+                part=part,
+                parts=parts,
+                **self.resume.marks(sid),
+            )
+            return count
+
+        return self.pg.change(body)

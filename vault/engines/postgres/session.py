@@ -1,0 +1,202 @@
+"""The agent session on a PostgreSQL vault: EncryptedSession over the SDK's SQLAlchemySession.
+
+Only `vault.engines.postgres.vault.PgVault.session` imports this module (it imports `agents` and
+`sqlalchemy`). `PgVaultSession` is a `VaultSession` (vault.engines.sqlite.session): the same
+key, kid, TTL and key reload after a rotation; only the store underneath and
+its errors differ. The PL/pgSQL guard (vault.engines.postgres.schema) refuses a write under a
+retired kid; the session then reloads the key from the keyring and retries, as
+the SQLite one does.
+
+Relies on the SDK internals listed in vault.engines.sqlite.session, plus:
+- `SQLAlchemySession._get_compaction_snapshot`: None for a subclass, so the
+  compaction wrapper replaces history through our `clear_session`/`add_items`.
+- `SQLAlchemySession._deserialize_item(item)`: the SDK's one row decoder (its
+  docstring invites overriding); overridden so a row too deeply nested is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from agents import SessionSettings
+from agents.extensions.memory import EncryptedSession
+from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+from sqlalchemy import event
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from vault import crypto
+from vault.engines.postgres.conn import CONNECT_TIMEOUT, server_settings, translate
+from vault.engines.sqlite.db import lock_timeout, parse_ttl
+from vault.engines.sqlite.schema import GUARD_MESSAGE
+from vault.engines.sqlite.session import VaultSession
+from vault.errors import UnknownSession, VaultError
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.vault import PgVault
+
+
+class VaultSQLAlchemySession(SQLAlchemySession):
+    """The SDK's SQLAlchemySession on the vault's tables; never creates tables itself."""
+
+    async def _deserialize_item(self, item: str) -> Any:
+        # The SDK skips a row whose decoding raises JSONDecodeError, not RecursionError or
+        # a plain ValueError: a row nested deeper than the parser's stack (`[` x 5000) or
+        # holding a number of more digits than Python converts, storable by a writer of the
+        # tables, is skipped the same way instead of ending the agent's read.
+        try:
+            return json.loads(item)
+        except json.JSONDecodeError:
+            raise
+        except (ValueError, RecursionError):
+            raise json.JSONDecodeError("not a readable item", item[:20], 0) from None
+
+
+def _driver_error(exc: BaseException) -> BaseException:
+    """The asyncpg (or OS) error under SQLAlchemy's wrapping, for `pgconn.translate`."""
+    seen = exc
+    for _ in range(5):
+        inner = getattr(seen, "orig", None) or seen.__cause__
+        if inner is None or inner is seen:
+            break
+        seen = inner
+        if getattr(seen, "sqlstate", None):
+            break
+    return seen
+
+
+class PgVaultSession(VaultSession):
+    """EncryptedSession over SQLAlchemySession on a PostgreSQL vault; survives rotations."""
+
+    def __init__(
+        self,
+        vault: PgVault,
+        session_id: str,
+        *,
+        session_settings: SessionSettings | dict[str, Any] | None = None,
+    ) -> None:
+        sealer = vault.sealer()
+        self._vault = vault  # type: ignore[assignment]  # the same duck type as Vault
+        self._db_path = vault.path  # type: ignore[assignment]  # the redacted URL
+        settings = server_settings(vault.loc)
+        # NullPool: a connection per operation, so a session object works from any event
+        # loop (asyncio.run twice, a new loop per request) instead of a pool tied to one.
+        engine = create_async_engine(
+            vault.loc.sqlalchemy_url,
+            poolclass=NullPool,
+            connect_args={"server_settings": settings, "timeout": CONNECT_TIMEOUT},
+        )
+        # Every operation connects afresh (NullPool): that connection first reads the TTL
+        # and the kid, so a `memvault ttl`, `rotate` or `revoke` run on any host applies at
+        # this session's next read, as a SQLite session sees it through data_version.
+        self._meta_kid: str | None = None
+        event.listen(engine.sync_engine, "connect", self._read_ttl)
+        underlying = VaultSQLAlchemySession(
+            session_id, engine=engine, create_tables=False, session_settings=session_settings
+        )
+        EncryptedSession.__init__(
+            self,
+            session_id=session_id,
+            underlying_session=underlying,
+            encryption_key=sealer.master_key,
+            ttl=vault.ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
+        )
+        self._use(sealer)
+
+    def _read_ttl(self, dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(
+                "SELECT key, value FROM memvault_meta WHERE key IN ('ttl_seconds', 'kid')"
+            )
+            meta = dict(cursor.fetchall())
+        except Exception:
+            # No vault there any more: the operation itself reports it, translated.
+            dbapi_connection.rollback()
+            return
+        finally:
+            cursor.close()
+        if "ttl_seconds" in meta:
+            self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
+        self._meta_kid = meta.get("kid")
+
+    def _unwrap(self, item: Any) -> Any:
+        # As VaultSession's (reload the key when the vault moved on), and while an online
+        # rotation runs (vault.engines.postgres.rotate), open a row not yet moved with the old key.
+        kid = item.get("kid") if isinstance(item, dict) and item.get("__enc__") == 1 else None
+        if kid is not None and kid != self._kid:
+            vault: PgVault = self._vault  # type: ignore[assignment]
+            # The old key once loaded: no round trip per row of a long history.
+            other = vault.cached_sealer(kid)
+            if other is None:
+                if self._file_kid() != self._kid:
+                    self._refresh()
+                other = vault.sealer_for_kid(kid) if kid != self._kid else None
+            if other is not None:
+                opened = other.open(self.session_id, json.dumps(item), self.ttl)
+                return opened.item if opened.state is crypto.ItemState.READABLE else None
+        return self._sdk_unwrap(item)
+
+    def _translate(self, exc: BaseException) -> VaultError:
+        return translate(_driver_error(exc), self._vault.loc)  # type: ignore[attr-defined]
+
+    async def get_items(self, limit: int | None = None, *, wrapper: Any = None) -> Any:
+        # One read is one statement's snapshot; if the key changed while unwrapping it
+        # (another process rotated), read again rather than return a partial history.
+        while True:
+            kid = self._kid
+            try:
+                items = await EncryptedSession.get_items(self, limit, wrapper=wrapper)
+            except (DBAPIError, OSError, TimeoutError) as exc:
+                raise self._translate(exc) from None
+            if self._meta_kid not in (None, self._kid):
+                # The vault moved on (a rotation, or a revoke on any host: KeyRevoked,
+                # exit 4, as a file session says): the key held in memory must not go on
+                # reading a history that was cut off from every key.
+                await asyncio.to_thread(self._refresh)
+            if self._kid == kid:
+                return items
+
+    async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
+        deadline = time.monotonic() + lock_timeout()
+        while True:
+            sealed_with = self._kid
+            try:
+                await EncryptedSession.add_items(self, items, wrapper=wrapper)
+                return
+            except IntegrityError as exc:
+                # The guard refused our kid: another process rotated. Reload the key from
+                # the keyring and reseal; a refusal under the current key is final.
+                if GUARD_MESSAGE not in str(exc):
+                    raise self._translate(exc) from None
+                await asyncio.to_thread(self._refresh)
+                if self._kid == sealed_with:
+                    raise self._translate(exc) from None
+            except DBAPIError as exc:
+                err = self._translate(exc)
+                if err.exit_code == 5 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    continue
+                raise err from None
+            except (OSError, TimeoutError) as exc:
+                raise self._translate(exc) from None
+
+    async def pop_item(self, *, wrapper: Any = None) -> Any:
+        # Authenticated before the delete, in its transaction (the SDK's generic pop would
+        # delete first): an item that does not authenticate stays.
+        return await asyncio.to_thread(self._vault.pop_newest, self.session_id)  # type: ignore[attr-defined]
+
+    async def clear_session(self, *, wrapper: Any = None) -> None:
+        """Empty the session as `memvault clear` does (refuses unreadable items, audited)."""
+        try:
+            await asyncio.to_thread(self._vault.clear, self.session_id)
+        except UnknownSession:
+            return
+
+    def close(self) -> None:
+        # NullPool keeps no connection open between operations: nothing to release.
+        return None

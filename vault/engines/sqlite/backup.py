@@ -1,0 +1,401 @@
+"""`backup`: a consistent, compact copy of a vault, taken while agents may be writing.
+
+The copy is made by SQLite's `VACUUM INTO`, which reads one snapshot of the
+database (WAL included) and writes only live rows into fresh pages. A file copy
+could miss the WAL or catch a half-written page; SQLite's backup API copies
+free pages, which may still hold ciphertext deleted without `secure_delete`.
+`VACUUM INTO` has neither problem, so the copy never carries residue of items
+deleted before the backup.
+
+The copy keeps the vault id and the key id: it opens with the same keyring
+key, and no key is ever copied. Every backup is recorded in the live vault first
+(vault.retention): while the record exists, a rotation keeps the backup's key
+version (retained) instead of destroying it. A backup whose record cannot be
+written is not made, or is removed again. The copy is marked as a backup
+(vault.backupmark): writing commands refuse it until `memvault restore` makes it
+the live vault. A vault whose key is missing (new keyring, lost
+entry) is still backed up, since a recovery kit may hold its key; the result
+says so. A revoked vault is refused: nothing can ever read its copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sqlite3
+import stat
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from vault import backupmark, files, paths, retention, targets, testhooks
+from vault.crypto import Sealer
+from vault.engines.sqlite.db import connect, is_busy, is_damage, set_meta, sqlite_errors
+from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC
+from vault.engines.sqlite.vault import Vault
+from vault.errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
+from vault.keyjournal import DESTROYED, PENDING
+
+KEY_OK = "present and matching"
+KEY_UNUSABLE = "unusable"
+
+
+@dataclass
+class BackupResult:
+    """What `backup` wrote: the copy, what it holds, and whether the keyring opens it."""
+
+    path: str
+    source: str
+    vault_id: str
+    kid: str
+    sessions: int
+    items: int
+    size: int
+    mode: str
+    key: str  # KEY_OK, or KEY_UNUSABLE with key_problem saying why
+    key_problem: str | None = None
+    restore: list[str] = field(default_factory=list)
+    audited: bool = True  # False: made, but the audit event could not be written
+    backup_id: str = ""  # also in the copy's meta and in the live vault's record
+
+    @property
+    def key_ok(self) -> bool:
+        return self.key == KEY_OK
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_destination(dest: str | os.PathLike[str], vault_path: Path | None) -> Path:
+    """Refuse (exit 2) a DEST that exists in any form, or whose side files exist, or
+    that is the vault at `vault_path` or one of its side files (by any name).
+
+    SQLite would write through a `-wal` or `-journal` link left beside DEST.
+    """
+    # SQLite takes the name as text: bytes that are not UTF-8 are refused up front.
+    paths.require_text_path(dest, "the backup path")
+    target = targets.check_target(dest, "backup", vault_path)
+    for side in paths.sidecars(target)[1:]:
+        if os.path.lexists(side):
+            raise BadInput(
+                f"{side} already exists beside the backup's name; SQLite would use it; "
+                "move it away or choose another name for the backup; nothing was written"
+            )
+    return target
+
+
+class Checked(Protocol):
+    """What `key_check` asks of a vault (a file vault or a PostgreSQL one)."""
+
+    def sealer(self, refresh: bool = False) -> Sealer: ...
+    def backups(self) -> list[dict[str, Any]]: ...
+
+
+def key_check(vault: Checked, rec: retention.BackupRecord, kid: str) -> str | None:
+    """Why this keyring cannot open the copy, or None when it can: the current key, or a
+    rotation committed during the backup retained the copy's key for it."""
+    try:
+        key_kid = vault.sealer(refresh=True).kid
+    except KeyProblem as exc:  # revoked meanwhile too: the copy is made, and useless
+        return exc.message
+    if key_kid == kid:
+        return None
+    mine = [b for b in vault.backups() if b["backup_id"] == rec.backup_id]
+    if mine and mine[0]["readable"]:
+        return None
+    return (
+        f"the vault was rotated during the backup: the keyring's key {key_kid} does not "
+        f"open the copy (key {kid}); run `memvault backup` again"
+    )
+
+
+def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
+    """How to bring the backup back on another machine: the copy plus a recovery kit."""
+    kit = (
+        f"memvault key export kit.json  # here: a recovery kit for key {kid}, kept apart"
+        if key_ok
+        else f"# the keyring here has no usable key: use a recovery kit made for key {kid}"
+    )
+    return [
+        kit,
+        f"memvault --db FILE key import kit.json  # there, with {dest.name} copied to FILE",
+        "memvault --db FILE verify",
+    ]
+
+
+def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
+    """Write a consistent copy of `vault` to the new file `dest` (0600).
+
+    Raises BadInput for an unusable `dest`, KeyRevoked for a revoked vault,
+    OperationFailed when the copy cannot be written (the partial file is removed).
+    """
+    meta = vault.meta()
+    if "revoked_at" in meta:
+        raise KeyRevoked(
+            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; a "
+            "backup could never be read; nothing was written"
+        )
+    if "shred_started" in meta:
+        raise OperationFailed(
+            f"a shred of {vault.path} was interrupted; run `memvault shred` again to finish "
+            "it; nothing was written"
+        )
+    target = check_destination(dest, vault.path)
+    mark = functools.partial(mark_as_backup, meta["vault_id"], source=str(vault.path))
+    rec, (kid, vault_id, sessions, items) = recorded_copy(
+        vault,
+        target,
+        lambda rec, keep: vacuum_copy(vault, target, mark(rec.backup_id), "backup", keep),
+    )
+    testhooks.failpoint("backup-copied")
+    # The key is checked, not needed: a copy of a vault whose key is missing is still
+    # worth having (a recovery kit may hold the key). Checked after the copy, against
+    # the copy's kid, so a rotation committed during the backup is noticed (and a
+    # rotation cut off before its key was promoted is finished by `sealer`).
+    key_problem = key_check(vault, rec, kid)
+    audited = True
+    try:
+        vault.record("backup", kid, items=items, sessions=sessions, to=rec.path)
+    except (VaultBusy, OperationFailed):
+        audited = False  # the copy is made and sound: say so rather than fail
+    st = os.stat(target)
+    return BackupResult(
+        path=rec.path,
+        source=str(vault.path),
+        vault_id=vault_id,
+        kid=kid,
+        sessions=sessions,
+        items=items,
+        size=st.st_size,
+        mode=oct(stat.S_IMODE(st.st_mode)),
+        key=KEY_OK if key_problem is None else KEY_UNUSABLE,
+        key_problem=key_problem,
+        restore=restore_steps(target, kid, key_problem is None),
+        audited=audited,
+        backup_id=rec.backup_id,
+    )
+
+
+Adjust = Callable[[sqlite3.Connection], None]
+
+
+def mark_as_backup(vault_id: str, backup_id: str, source: str) -> Adjust:
+    """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id` (at `source`).
+
+    The mark names the copy as the live vault's record names it. A pending version is
+    the live vault's rotation in flight: the copy's tidy-up on open would delete its
+    entry under that rotation's feet (pgbackup never copies one either).
+    """
+
+    def adjust(conn: sqlite3.Connection) -> None:
+        conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
+        set_meta(conn, **backupmark.new_mark(vault_id, backup_id, source))
+
+    return adjust
+
+
+TEMP_TAG = "backup"  # built as `.memvault-backup-*` beside the target, then linked into place
+
+
+def _looks_like_backup(head: bytes) -> bool:
+    # Empty, a database, or zeros: SQLite may extend the new file before page 1 is written.
+    return head.startswith(SQLITE_MAGIC) or not head.strip(b"\0")
+
+
+class Recorder(Protocol):
+    """The live vault's records of its backups (a file vault's or a PostgreSQL one's)."""
+
+    def record_backup(self, target: Path) -> retention.BackupRecord: ...
+    def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None: ...
+    def drop_backup(self, rec: retention.BackupRecord) -> None: ...
+
+
+Copy = tuple[str, str, int, int]
+
+
+def recorded_copy(
+    vault: Recorder,
+    target: Path,
+    make: Callable[[retention.BackupRecord, Callable[[str], None]], Copy],
+) -> tuple[retention.BackupRecord, Copy]:
+    """Record the backup in the live vault, then let `make` write it; both engines.
+
+    The record comes first (committed, under the key the vault uses now), so that no
+    moment exists where a backup is on disk and a rotation could destroy its key
+    unrecorded. `make` calls `keep(kid)` with the copy's key before it settles: the
+    record takes that kid (a rotation may have committed before the snapshot), and a
+    copy whose key was destroyed meanwhile (two rotations) is removed. Any failure
+    drops the record again; a crash leaves a record that `key list` flags as missing.
+    """
+    rec = vault.record_backup(Path(os.path.abspath(target)))
+
+    def keep(kid: str) -> None:
+        if vault.settle_backup(rec, kid) == DESTROYED:
+            raise OperationFailed(
+                f"the vault was rotated twice during the backup: key {kid} of the copy was "
+                "destroyed meanwhile; the backup was removed; run `memvault backup` again"
+            )
+
+    try:
+        return rec, make(rec, keep)
+    except BaseException:
+        with contextlib.suppress(VaultError):
+            vault.drop_backup(rec)
+        raise
+
+
+def write_new_copy(
+    target: Path,
+    fill: Callable[[Path], None],
+    adjust: Adjust,
+    keep: Callable[[str], None] | None = None,
+) -> Copy:
+    """Let `fill` write a vault into a new private file beside `target`, settle and check
+    it, then give it `target`'s name; (kid, vault_id, sessions, items).
+
+    The copy appears at `target` whole or not at all: a kill at any instant leaves at
+    most a temporary file, which the next backup into that folder removes. Anything that
+    fails removes the temporary file (and its side files); `target` is never replaced.
+
+    `adjust` changes the copy's meta in the settling transaction; `keep(kid)` may still
+    refuse the settled copy.
+    """
+    folder = target.absolute().parent
+    files.remove_stale_temps(folder, TEMP_TAG, _looks_like_backup, paths.sidecars)
+    try:
+        fd, tmp = files.create_temp(folder, TEMP_TAG)  # O_EXCL | O_NOFOLLOW, 0600
+    except OSError as exc:
+        raise OperationFailed(
+            f"cannot create a file beside {target} ({exc.strerror}); choose a writable "
+            "folder; nothing was written"
+        ) from None
+    created = os.fstat(fd)
+    try:
+        fill(tmp)
+        now = os.lstat(tmp)
+        if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino):
+            raise OperationFailed(
+                f"{tmp} was replaced while the backup was written; the backup was not made"
+            )
+        result = _settle(tmp, adjust)
+        if keep is not None:
+            keep(result[0])
+        testhooks.failpoint("backup-settled")
+        try:
+            os.link(tmp, target)  # never over a file that appeared meanwhile
+        except FileExistsError:
+            raise BadInput(
+                f"{target} appeared while the backup was written; give a new file name; "
+                "nothing was written"
+            ) from None
+        except OSError as exc:
+            raise OperationFailed(
+                f"cannot create {target} ({exc.strerror}); choose a writable folder; "
+                "nothing was written"
+            ) from None
+        os.unlink(tmp)
+        files.fsync_dir(folder)
+        return result
+    except BaseException:
+        _remove(tmp, created)
+        raise
+    finally:
+        os.close(fd)  # last: the lock tells another backup this file is being written
+
+
+def vacuum_copy(
+    source: Vault,
+    target: Path,
+    adjust: Adjust,
+    what: str,
+    keep: Callable[[str], None] | None = None,
+) -> Copy:
+    """`write_new_copy` filled by VACUUM INTO from `source`; (kid, vault_id, sessions, items).
+
+    `what` ("backup", "restore") names the copy in messages and test pause points.
+    """
+
+    def vacuum_into(dest: Path) -> None:
+        with source.connection() as conn:
+            # VACUUM INTO accepts an existing empty file and keeps its mode. The
+            # connection takes URIs, so the name is passed as one (a '?' or '#' in a
+            # path stays part of the name).
+            try:
+                conn.execute("VACUUM INTO ?", ("file:" + urllib.parse.quote(str(dest)),))
+            except sqlite3.Error as exc:
+                if is_busy(exc) or is_damage(exc):
+                    raise  # the vault's own state: said as every command says it
+                raise OperationFailed(
+                    f"cannot write the {what} {target} ({exc}); nothing was written; check "
+                    "the free space and the permissions of its folder"
+                ) from None
+        testhooks.failpoint(f"{what}-vacuumed")
+
+    return write_new_copy(target, vacuum_into, adjust, keep)
+
+
+def _settle(target: Path, adjust: Adjust) -> tuple[str, str, int, int]:
+    """Give the copy the vault's journal mode, mark it scrubbed, and check it.
+
+    VACUUM INTO writes a rollback-journal file; `Vault.init` makes WAL files, so the
+    copy is switched to WAL and checkpointed, and its last connection's close
+    removes the `-wal` and `-shm` again. The copy has no free pages and no WAL, so
+    there is nothing left to scrub.
+    """
+    with sqlite_errors(target):
+        conn = connect(target)
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                "UPDATE memvault_meta SET value = '0' WHERE key = 'scrub_pending' AND value != '0'"
+            )
+            adjust(conn)
+            conn.execute("COMMIT")
+            check = conn.execute("PRAGMA integrity_check").fetchall()
+            if check != [("ok",)]:
+                raise OperationFailed(
+                    f"the copy written to {target} fails SQLite's integrity check "
+                    f"({check[0][0]}); the backup was not made; run `memvault verify`"
+                )
+            meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+            items = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
+            sessions = conn.execute(
+                f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+                f"SELECT session_id FROM {MESSAGES_TABLE})"
+            ).fetchone()[0]
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            conn.close()
+    _fsync(target)
+    files.fsync_dir(target.absolute().parent)
+    leftovers = [p for p in paths.sidecars(target)[1:] if os.path.lexists(p)]
+    if leftovers:  # another process opened the copy meanwhile: not a settled file
+        raise OperationFailed(
+            f"{leftovers[0]} stayed beside the backup (another process opened it?); the "
+            "backup was not made; try again"
+        )
+    return meta["kid"], meta["vault_id"], int(sessions), int(items)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | files.NO_FOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(target: Path, created: os.stat_result) -> None:
+    """Remove a half-made backup: only the file this backup created, and its side files."""
+    with contextlib.suppress(OSError):
+        now = os.lstat(target)
+        if (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
+            os.unlink(target)
+    for side in paths.sidecars(target)[1:]:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(side).st_mode):
+                os.unlink(side)

@@ -1,0 +1,383 @@
+"""The key lifecycle: which key opens the file, rotation, revocation, key destruction.
+
+It reads like the state table in docs/keys.md. The file is the journal: every
+key version is recorded in `memvault_keys` (vault.keyjournal) before its
+keyring entry `<vault_id>/<kid>` is stored, so every state a crash can leave is
+finished from the file and keyring look-ups alone, by `tidy` on the next open.
+
+* open (`sealer`): the entry of the file's `kid`; then `tidy` if the journal
+  holds a pending or retired version or 0.1.0 entry names to delete.
+* rotate: record N pending -> under the write lock, store N's entry, re-encrypt
+  every row, `kid` = N, old -> retired, N -> current, commit -> old -> retained
+  while a recorded backup uses it (vault.retention), else delete the old entry ->
+  old -> destroyed.
+* revoke: mark the file -> delete every recorded version's entry -> all destroyed.
+
+The transactions of a rotation open and commit by hand, not with
+`write_transaction`: where each commit falls, relative to the keyring writes
+and the failpoints, is the crash protocol that the crash tests check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from vault import backupmark, crypto, keyjournal, retention, testhooks
+from vault.engines.sqlite import legacy
+from vault.engines.sqlite.db import audit, read_meta, row_batches, set_meta
+from vault.engines.sqlite.keptkeys import KeptVersions
+from vault.engines.sqlite.keptkeys import (
+    KeyVersionInfo as KeyVersionInfo,  # re-exported: the engines' `key list`
+)
+from vault.engines.sqlite.keptkeys import (
+    refuse_revoked as refuse_revoked,  # re-exported: both engines refuse
+)
+from vault.engines.sqlite.keptkeys import (
+    with_backups as with_backups,  # re-exported: the engines' `key list`
+)
+from vault.engines.sqlite.schema import LEGACY_FORMAT, MESSAGES_TABLE, utcnow
+from vault.errors import Interrupted, KeyProblem, VaultBusy
+from vault.files import Progress
+from vault.keyjournal import CURRENT, DESTROYED, PENDING, RETAINED, RETIRED, entry_name
+from vault.keys import KeyStore, require_key
+from vault.results import Report
+
+
+class KeyLifecycle(KeptVersions):
+    """A vault file with its key: loaded, checked, rotated, revoked."""
+
+    def __init__(self, path: Path, keystore: KeyStore | None = None) -> None:
+        super().__init__(path)
+        self._keystore = keystore
+        self._sealer: crypto.Sealer | None = None
+        self._rotation_committed = False  # read when Ctrl-C interrupts a rotation
+
+    @property
+    def keystore(self) -> KeyStore:
+        if self._keystore is None:
+            self._keystore = KeyStore()
+        return self._keystore
+
+    def journal(self) -> tuple[dict[str, str], list[keyjournal.KeyVersion]]:
+        """The meta and the key versions, from one snapshot."""
+        with self.connection() as conn:
+            conn.execute("BEGIN")  # deferred: the first SELECT fixes the snapshot
+            meta = read_meta(conn, self.path)
+            return meta, keyjournal.versions(conn)
+
+    def _untidy(self, meta: dict[str, str], versions: list[keyjournal.KeyVersion]) -> bool:
+        """Whether `tidy` has work: a crash's leftovers, or a retained version no
+        recorded backup needs any more (its backup was recorded again under another)."""
+        if any(v.state in (PENDING, RETIRED) for v in versions):
+            return True
+        if not any(v.state == RETAINED for v in versions):
+            return False
+        with self.connection() as conn:
+            recs = retention.records(conn)
+        return any(
+            v.state == RETAINED and retention.fate(v.kid, recs) == DESTROYED for v in versions
+        )
+
+    def sealer(self, refresh: bool = False) -> crypto.Sealer:
+        """The sealer of the file's key: the entry `<vault_id>/<kid>`, nothing else.
+
+        A 0.1.0 file moves its key to that entry first (vault.engines.sqlite.legacy). Then whatever
+        a crash left (the journal's pending or retired versions) is tidied away.
+        """
+        if self._sealer is not None and not refresh:
+            return self._sealer
+        ks = self.keystore
+        ks.check_usable()
+        for _attempt in range(5):
+            meta, versions = self.journal()
+            refuse_revoked(meta)
+            vault_id, kid = meta["vault_id"], meta["kid"]
+            if meta["format"] == LEGACY_FORMAT:
+                key = legacy.upgrade(self, self.keystore, meta)
+            else:
+                key = ks.get(entry_name(vault_id, kid))
+                if key is None and self.meta()["kid"] != kid:
+                    key = None  # a rotation committed and dropped that entry meanwhile
+                else:
+                    key = require_key(key, vault_id, kid, ks.name)
+            if key is None:
+                continue  # the file moved on while we looked: read it afresh
+            self._sealer = crypto.Sealer(key)
+            if (
+                meta["format"] == LEGACY_FORMAT
+                or keyjournal.LEGACY_MARK in meta
+                or self._untidy(meta, versions)
+            ):
+                self.tidy()
+            return self._sealer
+        raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
+
+    def tidy(self) -> None:
+        """Finish what a crash left: the table's "next open" column.
+
+        Under the write lock, taken without waiting: a rotation stores a pending
+        version's entry only while it holds that lock, so holding it proves no
+        rotation is in flight, and a pending version is then a dead one. Retired
+        versions are keys no row uses any more: kept (retained) while a recorded
+        backup uses one, else gone, as a pending one's entry and a retained one no
+        backup needs any more. The journal says so. Busy, or the keyring refusing a
+        delete: a later open tries again.
+        """
+        ks = self.keystore
+        with contextlib.suppress(VaultBusy, KeyProblem), self.connection(timeout=0) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            meta = read_meta(conn, self.path)
+            if "revoked_at" in meta or backupmark.is_backup(meta):
+                # A backup's journal is the live vault's at the time: its pending or
+                # retired versions may be the live vault's keys now.
+                return
+            recs = retention.records(conn)
+            for v in keyjournal.versions(conn):
+                if v.state in (PENDING, RETIRED, RETAINED) and v.kid != meta["kid"]:
+                    if v.state != PENDING and retention.fate(v.kid, recs) == RETAINED:
+                        if v.state == RETIRED:
+                            keyjournal.record(conn, v.kid, RETAINED)
+                        continue
+                    ks.delete(entry_name(meta["vault_id"], v.kid))
+                    testhooks.failpoint("tidy-after-delete")
+                    keyjournal.record(conn, v.kid, DESTROYED)
+            if keyjournal.LEGACY_MARK in meta:
+                for name in json.loads(meta[keyjournal.LEGACY_MARK]):
+                    ks.delete(name)
+                    testhooks.failpoint("tidy-after-delete")
+                conn.execute("DELETE FROM memvault_meta WHERE key = ?", (keyjournal.LEGACY_MARK,))
+            conn.execute("COMMIT")
+
+    def key_versions(self) -> list[KeyVersionInfo]:
+        """Every key version this file knows, with its state and whether its entry exists.
+
+        Loads the key first when it is there, which finishes a move from 0.1.0 or
+        what a crash left, so the list shows the settled state.
+        """
+        with contextlib.suppress(KeyProblem):
+            self.sealer(refresh=True)
+        with self.connection() as conn:
+            conn.execute("BEGIN")
+            meta = read_meta(conn, self.path)
+            recorded = {v.kid: v for v in keyjournal.versions(conn)}
+            kids = keyjournal.known_kids(conn, meta)
+            recs = retention.records(conn)
+        ks = self.keystore
+        ks.check_usable()
+        here = keyjournal.present(ks, meta["vault_id"], kids)
+        order = list(recorded) + sorted(kids - set(recorded))
+        out = []
+        for kid in order:
+            v = recorded.get(kid)
+            if v is not None:
+                state, created = v.state, v.created_at or None
+            else:  # a 0.1.0 file not moved yet: its audit trail names its keys
+                state, created = (CURRENT if kid == meta["kid"] else DESTROYED), None
+            out.append(KeyVersionInfo(kid, state, kid in here, created))
+        return with_backups(out, recs)
+
+    def check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> crypto.Sealer:
+        """Inside a write transaction: the file still uses the key we hold.
+
+        Returns the sealer to write with: `sealer`, or the key reloaded when another
+        process rotated since `sealer` was loaded.
+        """
+        if read_meta(conn, self.path)["kid"] != sealer.kid:
+            conn.execute("ROLLBACK")
+            fresh = self.sealer(refresh=True)
+            conn.execute("BEGIN IMMEDIATE")
+            if read_meta(conn, self.path)["kid"] != fresh.kid:
+                raise VaultBusy(f"{self.path} changed key while this command ran; try again")
+        return self._sealer or sealer
+
+    def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
+        """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it committed."""
+        backupmark.refuse_writes(self, "`memvault rotate`")
+        self._rotation_committed = False
+        try:
+            return self._rotate(progress, scrub)
+        except KeyboardInterrupt:
+            if not self._rotation_committed:
+                raise Interrupted(
+                    "interrupted; the rotation was not committed: the vault keeps its old key "
+                    "and nothing was changed"
+                ) from None
+            raise Interrupted(
+                "interrupted after the rotation committed: every item is under the new key; "
+                "the next memvault command finishes it (deletes the old key, scrubs the old bytes)"
+            ) from None
+
+    def _rotate(self, progress: Progress | None, scrub: bool) -> Report:
+        """New key; every envelope re-encrypted in one transaction; old bytes scrubbed.
+
+        The new version is recorded as pending (committed) before its entry is
+        stored; the entry is stored under the write lock that the re-encryption
+        then commits under. Another process's `tidy` may drop a pending version
+        between the two (it cannot tell ours from a dead one): we record again.
+        """
+        started = time.monotonic()
+        new = crypto.Sealer(crypto.generate_key())
+        for _attempt in range(5):
+            old = self.sealer(refresh=True)
+            with self.write_transaction() as conn:
+                refuse_revoked(read_meta(conn, self.path))
+                keyjournal.record(conn, new.kid, PENDING)
+            testhooks.failpoint("after-record-pending")
+            counts = self._reencrypt(old, new, progress)
+            if counts is not None:
+                break
+        else:
+            raise VaultBusy(f"{self.path} kept changing key during the rotation; try again")
+        vault_id = self.vault_id
+        testhooks.failpoint("after-commit")
+        with self.write_transaction() as conn:
+            # Under the write lock: a backup records the kid it copies under that lock
+            # too, so every backup of the old key is in `recs` (a later one uses the new).
+            recs = retention.records(conn)
+            fate = retention.fate(old.kid, recs)
+            retired = any(
+                v.kid == old.kid and v.state == RETIRED for v in keyjournal.versions(conn)
+            )
+            if fate == RETAINED and retired:
+                keyjournal.record(conn, old.kid, RETAINED)
+        testhooks.failpoint("after-retained")
+        if fate == DESTROYED:
+            self.keystore.delete(entry_name(vault_id, old.kid))
+            testhooks.failpoint("after-retired-deleted")
+            with self.write_transaction() as conn:
+                if any(v.kid == old.kid and v.state == RETIRED for v in keyjournal.versions(conn)):
+                    keyjournal.record(conn, old.kid, DESTROYED)
+        self._sealer = new
+        scrubbed = self.scrub() if scrub else False
+        return Report(
+            {
+                **counts,
+                "old_kid": old.kid,
+                "new_kid": new.kid,
+                "old_key": fate,
+                "backups": self.backups(),
+                "seconds": round(time.monotonic() - started, 3),
+                "scrubbed": scrubbed,
+            },
+            scrubbed,
+        )
+
+    def _reencrypt(
+        self, old: crypto.Sealer, new: crypto.Sealer, progress: Progress | None
+    ) -> dict[str, int] | None:
+        """Store the new entry and re-encrypt every row under the write lock, in one
+        transaction. None, changing nothing, when the file moved on since `old` was
+        loaded or our pending record was tidied away."""
+        ks = self.keystore
+        ttl = self.ttl
+        cutoff = None if ttl is None else int(time.time()) - ttl
+        items = expired = unreadable = 0
+        sessions: set[str] = set()
+        stored = committed = False
+        with self.connection() as conn:
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            meta = read_meta(conn, self.path)
+            refuse_revoked(meta)
+            states = {v.kid: v.state for v in keyjournal.versions(conn)}
+            if meta["kid"] != old.kid or states.get(new.kid) != PENDING:
+                return None
+            vault_id = meta["vault_id"]
+            try:
+                ks.set(entry_name(vault_id, new.kid), new.master_key)
+                stored = True
+                testhooks.failpoint("after-pending")
+                set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
+                keyjournal.record(conn, old.kid, RETIRED)
+                keyjournal.record(conn, new.kid, CURRENT)
+                for batch in row_batches(conn):
+                    updates = []
+                    for row_id, sid, data in batch:
+                        sessions.add(sid)
+                        stamped = crypto.rotate_row_stamped(old, new, sid, data)
+                        if stamped is None:
+                            unreadable += 1  # kept as it is: nothing is deleted by a rotation
+                            continue
+                        rotated, ts = stamped  # ts from the token: no second parse of the row
+                        items += 1
+                        if cutoff is not None and ts < cutoff:
+                            expired += 1
+                        updates.append((rotated, row_id))
+                    conn.executemany(
+                        f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ?", updates
+                    )
+                    if progress:
+                        progress(len(batch))
+                    testhooks.failpoint("in-transaction")
+                audit(
+                    conn,
+                    "rotate",
+                    new.kid,
+                    old_kid=old.kid,
+                    items=items,
+                    expired=expired,
+                    unreadable=unreadable,
+                    sessions=len(sessions),
+                )
+                committed = True  # from here the outcome of a failure is unknown
+                conn.execute("COMMIT")
+                self._rotation_committed = True
+            finally:
+                if stored and not committed:
+                    # Still holding the lock and nothing committed: no row uses the new
+                    # key, so its entry goes (the journal's pending record is tidied by
+                    # the next open). After a failed COMMIT the entry stays for `tidy`
+                    # to judge against the file.
+                    with contextlib.suppress(Exception):
+                        conn.execute("ROLLBACK")
+                    with contextlib.suppress(Exception):
+                        ks.delete(entry_name(vault_id, new.kid))
+        return {
+            "sessions": len(sessions),
+            "items": items,
+            "expired": expired,
+            "unreadable": unreadable,
+        }
+
+    def revoke(self) -> dict[str, Any]:
+        """Destroy every key version the file records. The file stays, unreadable for ever.
+
+        The file is marked first, so a revoke killed half-way is finished by the next
+        one, and writers still holding the key in memory are refused by the triggers.
+        Versions the file no longer used (retired by rotations) go too: a backup copy
+        restored with an older kit becomes unreadable as well, and is named.
+        """
+        # A backup's key versions are the live vault's: revoking them is the live vault's call.
+        backupmark.refuse_writes(self, "`memvault revoke`")
+        ks = self.keystore
+        ks.check_usable()
+        with self.write_transaction() as conn:
+            meta = read_meta(conn, self.path)
+            vault_id = meta["vault_id"]
+            kid = meta.get("revoked_kid", meta["kid"])
+            already = "revoked_at" in meta
+            if not already:
+                set_meta(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
+                audit(conn, "revoke", kid)
+            kids = keyjournal.known_kids(conn, meta)
+            in_use = {kid} | {v.kid for v in keyjournal.versions(conn) if v.state == PENDING}
+        testhooks.failpoint("revoke-after-mark")
+        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+        with self.write_transaction() as conn:
+            known = {v.kid for v in keyjournal.versions(conn)}
+            for k in sorted(kids):
+                keyjournal.record(conn, k, DESTROYED, None if k in known else "")
+        self._sealer = None
+        return {"vault_id": vault_id, "kid": kid, "already_revoked": already, **outcome}
+
+    def revocation_complete(self) -> bool:
+        """False while a revoked vault's key is still in the keyring (revoke cut off)."""
+        with self.connection() as conn:
+            meta = read_meta(conn, self.path)
+            kids = keyjournal.known_kids(conn, meta)
+        return not keyjournal.present(self.keystore, meta["vault_id"], kids)

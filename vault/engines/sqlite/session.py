@@ -1,0 +1,387 @@
+"""The drop-in agent session: the SDK's EncryptedSession over SQLiteSession.
+
+This is the only module that imports `agents` (about 2 s), and only when an
+agent session is actually opened.
+
+SDK internals this module relies on (all private or undocumented, as of
+openai-agents 0.24). tests/session/test_compat.py checks each one's signature and
+behaviour, and that this list names every one the code here touches, so raising
+the `openai-agents` pin in pyproject.toml is a deliberate step:
+
+- `SQLiteSession._configure_connection(conn)`: static hook the SDK calls on every
+  connection it opens; overridden to add the vault's pragmas, then chained.
+- `SQLiteSession._init_db_for_connection(conn)`: the SDK's schema creation at
+  construction; overridden so a session never creates tables in a file.
+- `SQLiteSession._get_connection()`: where every SDK read and write gets its
+  thread's connection; overridden to open it mode=rw and notice changed files.
+- `SQLiteSession._check_not_closed()`: called first, as the SDK's own does.
+- `SQLiteSession._local`, `SQLiteSession._connections`,
+  `SQLiteSession._connection_owners`, `SQLiteSession._connections_lock`,
+  `SQLiteSession._close_connections_from_exited_threads()`: the SDK's per-thread
+  connection registry, kept by our `_get_connection` as the SDK's own keeps it,
+  so that `close()` closes every connection.
+- `SQLiteSession._pop_item_with_validation(validate)`: EncryptedSession.pop_item
+  authenticates inside the delete's transaction through it (only while our
+  subclass keeps the SDK's `pop_item`); overridden to note that a row went.
+- `SQLiteSession._get_compaction_snapshot(limit, *, prune_prefix)`: None for a
+  subclass, so `OpenAIResponsesCompactionSession` replaces history through our
+  `clear_session`/`add_items` (audited, scrubbed), never in raw SQL.
+- `EncryptedSession.cipher`: the per-session Fernet that seals and opens; set
+  from the vault's key, and again after a rotation.
+- `EncryptedSession._kid`: the `kid` written into every envelope; set to the
+  vault's key id, which the file's triggers require.
+- `EncryptedSession._unwrap(item)`: opens one envelope; overridden to reload the
+  key when an envelope is under a newer key id.
+- `EncryptedSession._get_compaction_snapshot(limit)`: what the compaction wrapper
+  reads; it computes `now - ttl`, so it is overridden for a vault that never
+  expires.
+- `EncryptedSession.ttl`: read on every call; `None` (never) goes to Fernet as
+  no TTL, and a TTL changed by another process is set here.
+- `EncryptedSession.get_items(limit, *, wrapper)`, `EncryptedSession.add_items(items,
+  *, wrapper)`, `EncryptedSession.pop_item(*, wrapper)`,
+  `EncryptedSession.clear_session(*, wrapper)`: overridden; the Runner passes its
+  context as `wrapper` only to methods that take a keyword of that name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from agents import SessionSettings, SQLiteSession
+from agents.extensions.memory import EncryptedSession
+from cryptography.fernet import InvalidToken
+
+from vault import crypto
+from vault.backupmark import is_backup, refuse
+from vault.engines.sqlite.db import configure, is_busy, lock_timeout, parse_ttl, translate
+from vault.engines.sqlite.schema import GUARD_MESSAGE
+from vault.errors import NotAVault, UnknownSession, VaultError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from vault.engines.sqlite.vault import Vault
+
+
+# Stands for "never expires" where the SDK needs a number of seconds.
+NEVER = 1 << 62
+
+
+_BOTH: dict[tuple[type[VaultError], type[sqlite3.Error]], type[VaultError]] = {}
+
+
+def _also_sqlite(err: VaultError, exc: sqlite3.Error) -> VaultError:
+    """`err` (its message and exit code) as an instance of `exc`'s sqlite3 class too.
+
+    Code written against the SDK catches the `sqlite3.Error` subclass SQLiteSession
+    raises (OperationalError for "database is locked" or a missing table); the CLI
+    catches VaultError. A drop-in must satisfy both, so its errors are both.
+    """
+    if isinstance(err, sqlite3.Error):
+        return err
+    key = (type(err), type(exc))
+    cls = _BOTH.get(key)
+    if cls is None:
+        name = type(err).__name__
+        cls = _BOTH[key] = type(name, key, {"__module__": __name__, "__qualname__": name})
+    both = cls.__new__(cls, *err.args)  # not __init__: subclasses' signatures differ
+    both.args = err.args
+    both.__dict__.update(err.__dict__)  # its message, and any field a subclass adds
+    # As sqlite3 sets them, so `except sqlite3.Error` code can still read the cause's code.
+    both.sqlite_errorcode = getattr(exc, "sqlite_errorcode", None)  # type: ignore[attr-defined]
+    both.sqlite_errorname = getattr(exc, "sqlite_errorname", None)  # type: ignore[attr-defined]
+    return both
+
+
+def sdk_error(exc: sqlite3.Error, path: Path) -> VaultError:
+    """The vault's error for an SQLite failure in a session call, of the SDK's type too."""
+    if isinstance(exc, VaultError):
+        return exc  # translated already, further down the same call
+    return _also_sqlite(translate(exc, path), exc)
+
+
+def _undecodable_rows_as_none(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The SDK's row decoding (get_items, pop, compaction) skips a row whose `json.loads`
+    raises JSONDecodeError or TypeError, but not RecursionError or a plain ValueError: a
+    row nested deeper than the parser's stack (`[` x 5000) or holding a number of more
+    digits than Python converts, storable by anyone who can write the file, would end
+    the agent's read. Such a row reaches the SDK as None, which it skips as corrupt."""
+    if (
+        len(row) == 1
+        and isinstance(row[0], str)
+        and cursor.description[0][0] == "message_data"
+        and crypto.split_envelope(row[0]) is None  # what `seal` writes: the fast, common case
+    ):
+        try:
+            json.loads(row[0])
+        except json.JSONDecodeError:
+            pass  # the SDK skips it itself
+        except (ValueError, RecursionError):
+            return (None,)
+    return row
+
+
+class VaultSQLiteSession(SQLiteSession):
+    """SQLiteSession whose connections wait for rotations, zero what they delete,
+    never create a file, and notice when another connection changed the file."""
+
+    def __init__(
+        self,
+        session_id: str,
+        db_path: Path,
+        session_settings: SessionSettings | dict[str, Any] | None = None,
+    ) -> None:
+        self._vault_path = db_path
+        self._identity = self._stat_identity()
+        # Called with a connection when the file changed since that connection last looked.
+        self.on_change: Callable[[sqlite3.Connection], None] | None = None
+        self._versions: dict[sqlite3.Connection, int] = {}
+        self.deleted = False  # set by a pop that removed a row, for the scrub
+        super().__init__(session_id, db_path, session_settings=session_settings)
+
+    @staticmethod
+    def _configure_connection(conn: sqlite3.Connection) -> None:
+        # The SDK's 5 s busy timeout is shorter than a large rotation: wait instead of failing.
+        configure(conn, lock_timeout())
+        conn.row_factory = _undecodable_rows_as_none
+        SQLiteSession._configure_connection(conn)
+
+    def _stat_identity(self) -> tuple[int, int]:
+        try:
+            st = os.stat(self._vault_path)
+        except FileNotFoundError:
+            raise NotAVault(
+                f"the vault at {self._vault_path} is gone (shredded or moved) since this "
+                "session was opened; nothing was read or written"
+            ) from None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self) -> None:
+        """The file this session opened is still the one at the path (not shredded/replaced)."""
+        if self._stat_identity() != self._identity:
+            raise NotAVault(
+                f"the vault at {self._vault_path} was replaced since this session was opened; "
+                "nothing was read or written; open a new session"
+            )
+
+    def _init_db_for_connection(self, conn: sqlite3.Connection) -> None:
+        # The vault created the SDK's tables already; creating them here could only
+        # write into a file that is not the vault.
+        self._check_file()
+
+    def _get_connection(self) -> sqlite3.Connection:
+        # The SDK's thread-local connections, opened with mode=rw: a session that outlives
+        # its vault (shredded meanwhile) must fail, not create an empty file at the path.
+        self._check_not_closed()
+        self._check_file()
+        if not hasattr(self._local, "connection"):
+            with self._connections_lock:
+                self._close_connections_from_exited_threads()
+                for old in [c for c in self._versions if c not in self._connections]:
+                    del self._versions[old]
+            uri = "file:" + urllib.parse.quote(str(self._vault_path)) + "?mode=rw"
+            try:
+                connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+                self._configure_connection(connection)
+            except sqlite3.Error as exc:
+                raise sdk_error(exc, self._vault_path) from exc
+            self._local.connection = connection
+            with self._connections_lock:
+                self._connections.add(connection)
+                self._connection_owners[connection] = threading.current_thread()
+        conn: sqlite3.Connection = self._local.connection
+        self._notice_changes(conn)
+        return conn
+
+    def _notice_changes(self, conn: sqlite3.Connection) -> None:
+        # data_version moves only when another connection committed: one cheap pragma
+        # per call, and the vault's metadata is read again only after a change.
+        try:
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            if self._versions.get(conn) != version:
+                if self.on_change is not None:
+                    self.on_change(conn)
+                self._versions[conn] = version
+        except sqlite3.Error as exc:
+            raise sdk_error(exc, self._vault_path) from exc
+
+    async def _pop_item_with_validation(self, validate: Callable[[Any], None] | None = None) -> Any:
+        item = await super()._pop_item_with_validation(validate)
+        if item is not None:
+            self.deleted = True
+        return item
+
+
+class VaultSession(EncryptedSession):
+    """EncryptedSession that writes the vault's key id and survives rotations.
+
+    After another process rotates, the next write is refused by the file's
+    triggers (stale key id) and the next read meets envelopes under an unknown
+    kid: either way the session reloads the key from the keyring and goes on.
+    A TTL changed by another process applies from the session's next call.
+    """
+
+    def __init__(
+        self,
+        vault: Vault,
+        session_id: str,
+        *,
+        session_settings: SessionSettings | dict[str, Any] | None = None,
+    ) -> None:
+        sealer = vault.sealer()
+        self._vault = vault
+        # Read once: a restore puts a new file at the path, which this session refuses.
+        meta = vault.meta()
+        self._backup_meta = meta if is_backup(meta) else None
+        self._db_path: Path = vault.path
+        underlying = VaultSQLiteSession(session_id, vault.path, session_settings)
+        super().__init__(
+            session_id=session_id,
+            underlying_session=underlying,
+            encryption_key=sealer.master_key,
+            ttl=vault.ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
+        )
+        self._use(sealer)
+        underlying.on_change = self._on_change
+
+    def _use(self, sealer: Any) -> None:
+        self.cipher = sealer.fernet(self.session_id)
+        self._kid = sealer.kid
+
+    def _refresh(self) -> bool:
+        """Reload the key if the file moved on; True when it changed."""
+        sealer = self._vault.sealer(refresh=True)
+        changed = sealer.kid != self._kid
+        self._use(sealer)
+        self.ttl = self._vault.ttl  # type: ignore[assignment]
+        return changed
+
+    def _on_change(self, conn: sqlite3.Connection) -> None:
+        meta = dict(
+            conn.execute(
+                "SELECT key, value FROM memvault_meta WHERE key IN ('kid', 'ttl_seconds')"
+            ).fetchall()
+        )
+        if "kid" not in meta:
+            raise NotAVault(f"{self._db_path} lacks the vault's kid; it is not a usable vault")
+        self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
+        if meta["kid"] != self._kid:
+            self._refresh()
+
+    def _file_kid(self) -> str:
+        return self._vault.meta()["kid"]
+
+    def _unwrap(self, item: Any) -> Any:
+        if (
+            isinstance(item, dict)
+            and item.get("__enc__") == 1
+            and item.get("kid") != self._kid
+            and self._file_kid() != self._kid
+        ):
+            self._refresh()
+        return self._sdk_unwrap(item)
+
+    def _sdk_unwrap(self, item: Any) -> Any:
+        try:
+            return super()._unwrap(item)
+        except (ValueError, RecursionError):
+            # Authenticated, yet no JSON item (not UTF-8, not JSON, nested deeper than the
+            # parser's stack): only a holder of the key could seal it. Skipped as the SDK
+            # skips a token it cannot open, rather than ending the agent's read.
+            return None
+
+    async def get_items(self, limit: int | None = None, *, wrapper: Any = None) -> Any:
+        # One read is one SQLite snapshot. If the key changed while unwrapping it (another
+        # process rotated, perhaps twice), rows of that snapshot may be under a key this
+        # session no longer holds and would be skipped as unreadable: read again rather
+        # than return a partial or empty history.
+        while True:
+            kid = self._kid
+            try:
+                items = await super().get_items(limit, wrapper=wrapper)
+            except sqlite3.Error as exc:
+                raise sdk_error(exc, self._db_path) from exc
+            if self._kid == kid:
+                return items
+
+    def _refuse_backup(self, doing: str) -> None:
+        if self._backup_meta is not None:
+            refuse(self._backup_meta, self._db_path, doing)
+
+    async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
+        self._refuse_backup("an agent session's add_items")
+        deadline = time.monotonic() + lock_timeout()
+        while True:
+            sealed_with = self._kid
+            try:
+                await super().add_items(items, wrapper=wrapper)
+                return
+            except sqlite3.IntegrityError as exc:
+                # The triggers refused our key id: another process rotated. Reseal and retry
+                # (the key may already have been reloaded while the items were being stored).
+                if GUARD_MESSAGE not in str(exc):
+                    raise sdk_error(exc, self._db_path) from exc
+                await asyncio.to_thread(self._refresh)
+                if self._kid == sealed_with:
+                    raise sdk_error(exc, self._db_path) from exc
+            except sqlite3.OperationalError as exc:
+                if is_busy(exc) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                    continue
+                raise sdk_error(exc, self._db_path) from exc
+
+    async def pop_item(self, *, wrapper: Any = None) -> Any:
+        self._refuse_backup("an agent session's pop_item")
+        underlying: VaultSQLiteSession = self.underlying_session  # type: ignore[assignment]
+        underlying.deleted = False
+        try:
+            while True:
+                try:
+                    return await super().pop_item(wrapper=wrapper)
+                except InvalidToken:
+                    # Nothing was removed (the SDK authenticates inside the transaction).
+                    if not await asyncio.to_thread(self._refresh):
+                        raise
+                except sqlite3.Error as exc:
+                    raise sdk_error(exc, self._db_path) from exc
+        finally:
+            if underlying.deleted:
+                # Like `memvault pop`: the popped ciphertext must not stay readable in
+                # the WAL or free pages under the current key.
+                await asyncio.to_thread(self._vault.scrub_after_delete)
+
+    async def clear_session(self, *, wrapper: Any = None) -> None:
+        """Empty the session as `Vault.clear` does: refuses (ItemsUnreadable, nothing
+        deleted) if an item fails authentication; audited and scrubbed."""
+        try:
+            await asyncio.to_thread(self._vault.clear, self.session_id)
+        except UnknownSession:
+            return  # nothing stored under this id: already empty, as the SDK treats it
+        except VaultError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, sqlite3.Error):  # Vault.clear translated an SQLite failure
+                raise _also_sqlite(exc, cause) from cause
+            raise
+
+    async def _get_compaction_snapshot(self, limit: int) -> Any:
+        # The SDK computes `now - ttl`, which fails for a vault that never expires: for the
+        # length of the read, "never" is a TTL no timestamp can outlive.
+        if self.ttl is not None:
+            return await super()._get_compaction_snapshot(limit)
+        self.ttl = NEVER
+        try:
+            return await super()._get_compaction_snapshot(limit)
+        finally:
+            if self.ttl == NEVER:  # unless a TTL change arrived meanwhile
+                self.ttl = None
+
+    def close(self) -> None:
+        self.underlying_session.close()  # type: ignore[attr-defined]

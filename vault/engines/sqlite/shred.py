@@ -1,0 +1,414 @@
+"""`shred`: destroy a vault: the key first, then the rows, then the bytes of every file.
+
+Works without the key (revoked, or the keyring entry gone) and on a file SQLite
+cannot read. What was destroyed is recorded in the file before the rows go and
+stamped at its start before the bytes go, so a shred killed half-way is finished
+by the next run with the same report. Files are overwritten and unlinked with
+the helpers of `vault.files`, which never follow a link nor open a FIFO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sqlite3
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vault import backupmark, exportdirs, files, keyjournal, paths, testhooks
+from vault.engines.sqlite import restorestate
+from vault.engines.sqlite.db import (
+    SCRUB_WAIT,
+    check_header,
+    connect,
+    is_damage,
+    lock_exclusively,
+    peek,
+    read_header,
+    read_meta,
+    set_meta,
+    sqlite_errors,
+    translate,
+)
+from vault.engines.sqlite.schema import (
+    MESSAGES_TABLE,
+    SESSIONS_TABLE,
+    SHRED_MAGIC,
+    SQLITE_MAGIC,
+    utcnow,
+)
+from vault.errors import NotAVault, OperationFailed, VaultCorrupt, VaultError
+from vault.files import Progress
+from vault.keys import KeyStore
+
+
+class _Damaged(Exception):
+    """SQLite cannot read the vault (damaged or truncated): shred it without SQLite."""
+
+
+_RAW_VAULT_ID = re.compile(rb"vault_id(mv-[0-9a-f]{24})")
+_RAW_KID = re.compile(rb"(mv1:[0-9a-f]{16})")
+_RAW_BACKUP_OF = re.compile(rb"backup_of(mv-[0-9a-f]{24})")
+# What a backup's shred says of the keys it leaves (vault.backupmark).
+KEYS_KEPT = (
+    "kept: this file was a backup of vault {}, whose key versions the live vault (and "
+    "its other backups) still use; `memvault revoke` or `shred` of the live vault destroys them"
+)
+
+
+def _raw_ids(path: Path) -> tuple[set[str], set[str], set[str]]:
+    """Vault ids, key ids and backup marks (the vault ids of `backup_of`) found in the
+    raw bytes of the file and its side files.
+
+    A `memvault_meta` row keeps its key and value side by side in a page, so the
+    vault id survives damage to other pages (page 1 included); every key id the
+    file ever recorded or stamped on an envelope is this file's.
+    """
+    ids: set[str] = set()
+    kids: set[str] = set()
+    backup_of: set[str] = set()
+    for p in paths.sidecars(path):
+        try:
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                continue
+            fd = os.open(p, os.O_RDONLY | files.NO_FOLLOW)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as fh:
+            tail = b""
+            while block := fh.read(1 << 22):
+                data = tail + block
+                ids.update(m.decode() for m in _RAW_VAULT_ID.findall(data))
+                kids.update(m.decode() for m in _RAW_KID.findall(data))
+                backup_of.update(m.decode() for m in _RAW_BACKUP_OF.findall(data))
+                tail = data[-64:]
+    return ids, kids, backup_of
+
+
+def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
+    """Destroy the keys a damaged file can still name; say so plainly when it names none."""
+    ids, kids, backup_of = _raw_ids(path)
+    if report.get("vault_id"):
+        ids.add(report["vault_id"])
+    if report.get("kid"):
+        kids.add(report["kid"])
+    report["damaged"] = True
+    report.setdefault("sessions", None)
+    report.setdefault("items", None)
+    if len(ids) != 1:
+        report.update(
+            vault_id=None,
+            kid=None,
+            key_destroyed=False,
+            destroyed_kids=[],
+            other_copies_kids=[],
+            foreign_kid=None,
+        )
+        report["key_problem"] = (
+            "the file is too damaged to name its vault id, so no keyring entry was destroyed; "
+            "if you know the vault id, delete the keyring entry (service `memvault`) yourself"
+        )
+        return
+    (vault_id,) = ids
+    report["vault_id"] = vault_id
+    if vault_id in backup_of:  # a damaged backup: its keys are still the live vault's
+        report.update(backup_of=vault_id, keys_kept=KEYS_KEPT.format(vault_id))
+        report.update(key_destroyed=False, destroyed_kids=[], other_copies_kids=[])
+        report.setdefault("kid", None)
+        report["foreign_kid"] = None
+        return
+    if not report.get("kid") and len(kids) == 1:
+        report["kid"] = next(iter(kids))
+    report.setdefault("kid", None)
+    ks = keystore or KeyStore()
+    ks.check_usable()
+    report.update(keyjournal.destroy_entries(ks, vault_id, kids, {report["kid"]} - {None}))
+    if report.get("foreign_kid"):
+        report["key_problem"] = (
+            f"the keyring entry of {vault_id} holds key {report['foreign_kid']}, which this file "
+            "never used (another copy's key?); it was left in place"
+        )
+
+
+# What a shred records before it destroys anything, so that a run cut off is finished
+# by the next with the same report (a PostgreSQL shred records the same).
+SHRED_FIELDS = (
+    "vault_id",
+    "kid",
+    "sessions",
+    "items",
+    "key_destroyed",
+    "destroyed_kids",
+    "other_copies_kids",
+    "foreign_kid",
+)
+
+
+def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
+    """Under the exclusive lock: counts, marker, key, then every row. Raises _Damaged."""
+
+    def count(conn: sqlite3.Connection) -> None:
+        report["sessions"] = conn.execute(
+            f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+            f"SELECT session_id FROM {MESSAGES_TABLE})"
+        ).fetchone()[0]
+        report["items"] = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
+
+    try:
+        conn = connect(path, timeout=SCRUB_WAIT)
+    except sqlite3.Error as exc:
+        if is_damage(exc):
+            raise _Damaged() from exc
+        raise translate(exc, path) from exc
+    try:
+        with sqlite_errors(path):
+            try:
+                lock_exclusively(conn, path, "run shred again; nothing was destroyed")
+                meta = read_meta(conn, path)
+                vault_id = meta["vault_id"]
+                kid = meta.get("revoked_kid", meta["kid"])
+                report["vault_id"], report["kid"] = vault_id, kid
+                wrote_marker = False
+                if "shred_started" in meta:
+                    # A shred was cut off: finish it as it began.
+                    report.update(json.loads(meta["shred_started"]))
+                    report["resumed"] = True
+                    if report.get("key_destroyed") is None:
+                        # Cut off before its rows went (they go in the commit that records
+                        # the key's fate): count what is there now.
+                        count(conn)
+                else:
+                    count(conn)
+                    report["key_destroyed"] = report["foreign_kid"] = None
+                    report["destroyed_kids"] = report["other_copies_kids"] = None
+                    # Recorded before the key goes, so a run cut off after destroying it
+                    # says so. In exclusive locking mode the lock outlives this commit.
+                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
+                    conn.execute("COMMIT")
+                    conn.execute("BEGIN EXCLUSIVE")
+                    wrote_marker = True
+                if backupmark.is_backup(meta) and report.get("key_destroyed") is None:
+                    # A backup shares its key versions with the live vault: they stay.
+                    of = meta[backupmark.BACKUP_OF]
+                    report.update(backup_of=of, keys_kept=KEYS_KEPT.format(of))
+                    report.update(key_destroyed=False, destroyed_kids=[], other_copies_kids=[])
+                    report["foreign_kid"] = None
+                if report.get("key_destroyed") is None:
+                    # The keys go first: from here on a crash leaves only unreadable
+                    # ciphertext. Every version the file records: a backup restored
+                    # with an older kit dies with it.
+                    try:
+                        ks = keystore or KeyStore()
+                        ks.check_usable()
+                        in_use = {kid} | {
+                            v.kid
+                            for v in keyjournal.versions(conn)
+                            if v.state == keyjournal.PENDING
+                        }
+                        outcome = keyjournal.destroy_entries(
+                            ks, vault_id, keyjournal.known_kids(conn, meta), in_use
+                        )
+                    except BaseException:
+                        if wrote_marker:
+                            # The key is still there: leave no sign of a shred that never
+                            # destroyed anything.
+                            with contextlib.suppress(sqlite3.Error):
+                                conn.execute(
+                                    "DELETE FROM memvault_meta WHERE key = ?", ("shred_started",)
+                                )
+                                conn.execute("COMMIT")
+                        raise
+                    if report["resumed"]:
+                        # The cut-off run may have destroyed it already: it is gone either way.
+                        outcome["key_destroyed"] = True
+                    report.update(outcome)
+                    testhooks.failpoint("shred-after-key")
+                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
+                conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
+                conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
+                conn.execute("DELETE FROM memvault_audit")
+                conn.execute("COMMIT")
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.DatabaseError as exc:
+                if is_damage(exc):
+                    raise _Damaged() from exc
+                raise
+    finally:
+        conn.close()
+
+
+def _check_shreddable(path: Path) -> None:
+    """Everything shred will need, checked before it destroys anything."""
+    folder = path.parent
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OperationFailed(
+            f"cannot remove files from {folder}: the folder is not writable; make it writable "
+            "(chmod u+w) and run shred again; nothing was destroyed"
+        )
+    for p in paths.sidecars(path):
+        try:
+            mode = os.lstat(p).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(mode):
+            raise OperationFailed(
+                f"{p} is a folder where SQLite keeps a side file; move it away and run shred "
+                "again; nothing was destroyed"
+            )
+        if stat.S_ISREG(mode) and not os.access(p, os.W_OK):
+            raise OperationFailed(
+                f"cannot overwrite {p}: it is read-only; make it writable (chmod u+w) and run "
+                "shred again; nothing was destroyed"
+            )
+
+
+def _remove_planted(path: Path) -> list[dict[str, Any]]:
+    """Unlink the names of side files that are links, FIFOs or devices; never follow them.
+
+    SQLite would follow a link at `-wal` or `-journal` and overwrite its target, and
+    so would a naive shred. Removing the name leaves the target untouched.
+    """
+    removed = []
+    for p, what in files.odd_entries(paths.sidecars(path)[1:]):
+        os.unlink(p)
+        removed.append({"name": p.name, "size": 0, "kind": what})
+    if removed:
+        files.fsync_dir(path.parent)
+    return removed
+
+
+def _read_stamp(path: Path) -> dict[str, Any]:
+    """The report an interrupted shred stamped at the start of the file."""
+    try:
+        with open(path, "rb") as fh:
+            stamp = json.loads(fh.read(4096)[len(SHRED_MAGIC) :].split(b"\n")[0])
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def shred_target(db: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """What `shred` would destroy: the path and, if it can be read, the vault id.
+
+    Raises NotAVault when there is nothing to shred, before anyone is asked.
+    """
+    path = paths.resolve_db_path(db)
+    header = read_header(path)
+    if not header.startswith((SHRED_MAGIC, SQLITE_MAGIC)):
+        check_header(path)
+    vault_id = None
+    if header.startswith(SHRED_MAGIC):
+        vault_id = _read_stamp(path).get("vault_id")
+    elif not files.odd_entries(paths.sidecars(path)[1:]):
+        try:
+            conn = connect(path, timeout=SCRUB_WAIT)  # as any command would: no trace left
+            try:
+                vault_id = read_meta(conn, path).get("vault_id")
+            finally:
+                conn.close()
+        except NotAVault:
+            raise  # a readable SQLite file that is no vault: refused before anyone is asked
+        except (sqlite3.Error, VaultError):
+            pass  # damaged or busy: shred itself decides
+    return {"path": path, "vault_id": vault_id}
+
+
+def shred(
+    db: str | os.PathLike[str] | None = None,
+    keystore: KeyStore | None = None,
+    progress: Progress | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Destroy a vault: lock, key, rows, then overwrite, fsync and unlink every file.
+
+    `on_total` learns how many bytes will be overwritten once the checkpoint has
+    settled the files' sizes; `progress` then counts them.
+
+    Works without the key (revoked, or the keyring entry gone), and on a file SQLite
+    cannot read (damaged, truncated): then the keys the raw bytes still name go, and
+    the report says plainly when none could be named. What was destroyed is recorded
+    in the file before the rows go, so a shred killed half-way is finished by the
+    next run, with the same report. Only regular files are overwritten; a link, FIFO
+    or device at a side file's name is unlinked without being followed or opened.
+    """
+    path = paths.resolve_db_path(db)
+    restorestate.finish(path)  # a cut-off restore leaves the vault (and no copy) behind
+    header = read_header(path)
+    report: dict[str, Any] = {"path": str(path), "resumed": False}
+    if not header.startswith((SHRED_MAGIC, SQLITE_MAGIC)):
+        check_header(path)  # not a vault at all: refused, nothing touched
+    _check_shreddable(path)
+    removed = _remove_planted(path)
+    if header.startswith(SHRED_MAGIC):
+        # Interrupted after the key and the rows were gone: finish the overwrite.
+        report.update(_read_stamp(path))
+        report["resumed"] = True
+    else:
+        # Read before the rows go, and kept in the stamp for a resumed run.
+        report["export_folders"] = _export_folders(path)
+        try:
+            try:
+                check_header(path)
+            except VaultCorrupt:
+                raise _Damaged() from None
+            _shred_rows(path, keystore, report)
+        except _Damaged:
+            if report.get("key_destroyed") is None:
+                _destroy_keys_of_damaged(path, keystore, report)
+        testhooks.failpoint("shred-after-rows")
+    stamp_fields = (
+        *("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid"),
+        *("backup_of", "keys_kept", "export_folders"),
+    )
+    stamp_bytes = (
+        SHRED_MAGIC + json.dumps({k: report.get(k) for k in stamp_fields}).encode() + b"\n"
+    )
+    done = []
+    try:
+        # Stamp the database first so that nothing opens it as SQLite again, and unlink
+        # it last: a run cut off in between finds the stamp and finishes the side files.
+        if on_total:
+            on_total(sum(os.lstat(p).st_size for p, _ in regular_files(path)))
+        size = files.overwrite(path, stamp_bytes, progress)
+        testhooks.failpoint("shred-during-overwrite")
+        for p in paths.sidecars(path)[1:]:
+            entry = files.destroy(p, b"", progress)
+            if entry:
+                done.append(entry)
+        os.unlink(path)
+        done.insert(0, {"name": path.name, "size": size or 0, "kind": "file"})
+        files.fsync_dir(path.parent)
+    except OSError as exc:
+        raise OperationFailed(
+            f"could not overwrite or remove {exc.filename or path} ({exc.strerror}); the key is "
+            "already destroyed; fix the cause and run `memvault shred` again"
+        ) from None
+    # A killed `export --force` of this vault may have left plaintext beside it, or in a
+    # folder its audit trail named.
+    folders = {path.absolute().parent} | {Path(f) for f in report.get("export_folders") or []}
+    report["files"] = done + removed + exportdirs.clean(folders)
+    report["at"] = utcnow()
+    return report
+
+
+def _export_folders(path: Path) -> list[str]:
+    """The folders forced exports of this vault wrote in (vault.exportdirs); none when
+    the file cannot be read."""
+    with contextlib.suppress(sqlite3.Error, OSError), contextlib.closing(peek(path, 1.0)) as conn:
+        return sorted(str(f) for f in exportdirs.recorded_in_file(conn))
+    return []
+
+
+def regular_files(path: Path) -> list[tuple[Path, int]]:
+    """The database and side files that are regular files, with their sizes."""
+    out = []
+    for p in paths.sidecars(path):
+        with contextlib.suppress(OSError):
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode):
+                out.append((p, st.st_size))
+    return out
