@@ -36,7 +36,7 @@ Row = tuple[int, str, str]
 # (new message_data, id, the message_data the row must still hold)
 Update = tuple[str, int, str]
 
-DEFAULT_BATCH = 1000
+DEFAULT_BATCH = 2000
 # With the lock released after each batch: long enough for a waiting writer's busy
 # handler to find it free, short beside a batch's cryptography (tens of ms).
 DEFAULT_PAUSE = 0.002

@@ -33,7 +33,7 @@ from tests.conftest import (
     user,
 )
 
-ITEMS = 1500  # more than one batch of the rotation (1000 rows)
+ITEMS = 2500  # more than one batch of the rotation (2,000 rows)
 
 
 def fill(db: Path) -> None:
