@@ -184,10 +184,8 @@ Adjust = Callable[[sqlite3.Connection], None]
 
 def mark_as_backup(vault_id: str, backup_id: str, source: str) -> Adjust:
     """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id` (at `source`).
-
-    A pending version is the live vault's rotation in flight: the copy's tidy-up would
-    delete its entry (pgbackup never copies one). A copy amid a rotation's batches is
-    refused: its record could keep one of its two keys only."""
+    A pending version's entry the copy's tidy-up would delete (pgbackup never copies one);
+    a copy amid a rotation's batches is refused: its record keeps one of its two keys."""
 
     def adjust(conn: sqlite3.Connection) -> None:
         if conn.execute("SELECT 1 FROM memvault_meta WHERE key = ?", (ROTATING_FROM,)).fetchone():
