@@ -71,7 +71,10 @@ async def _set(conn: Any, **values: str) -> None:
     )
 
 
-async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Report:
+async def rotate(
+    vault: PgVault, progress: Progress | None, batch: int, resume_only: bool = False
+) -> Report | None:
+    """With `resume_only`, finish a rotation under way or cut off, and start none (None)."""
     started = time.monotonic()
     ks = vault.keystore
     ks.check_usable()
@@ -81,6 +84,8 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
         await vault.read_meta(conn)  # no vault here: exit 3 before any lock
         assert schema is not None
         async with admin_lock(conn, schema, vault.path):
+            if resume_only and FROM not in await vault.read_meta(conn):
+                return None
             old, new = await _start_or_resume(vault, conn)
             try:
                 counts = await _batches(vault, conn, old, new, progress, batch)
