@@ -302,47 +302,6 @@ class Sealer:
         return ItemState.READABLE
 
 
-class RotatingSealer(Sealer):
-    """The key of a vault whose rows a rotation is moving: it seals under the new key
-    and opens each row with the key its envelope names, the new one or the old one.
-
-    Both stay readable until every row has moved (vault.rotation); a row's kid is read
-    unauthenticated only to pick the key, which then authenticates the row.
-    """
-
-    def __init__(self, new_master_key: str, old: Sealer) -> None:
-        super().__init__(new_master_key)
-        self.old = old
-
-    def __repr__(self) -> str:
-        return f"<RotatingSealer kid={self.kid} from={self.old.kid}>"
-
-    def for_kid(self, kid: str | None) -> Sealer | None:
-        if kid == self.old.kid:
-            return self.old
-        return super().for_kid(kid)
-
-    def open(
-        self, session_id: str, message_data: str, ttl: int | None, now: int | None = None
-    ) -> Opened:
-        if kid_of(message_data) == self.old.kid:
-            return self.old.open(session_id, message_data, ttl, now)
-        return super().open(session_id, message_data, ttl, now)
-
-    def state(
-        self,
-        session_id: str,
-        message_data: str,
-        ttl: int | None,
-        now: int | None = None,
-        *,
-        decode: bool = False,
-    ) -> ItemState:
-        if kid_of(message_data) == self.old.kid:
-            return self.old.state(session_id, message_data, ttl, now, decode=decode)
-        return super().state(session_id, message_data, ttl, now, decode=decode)
-
-
 def kid_of(message_data: str) -> str | None:
     """The key id an envelope names (unauthenticated), or None for a row that is none."""
     split = split_envelope(message_data)

@@ -116,7 +116,7 @@ def start(lc: KeyLifecycle) -> tuple[crypto.Sealer, crypto.Sealer, bool]:
     new = crypto.Sealer(crypto.generate_key())
     for _attempt in range(5):
         current = lc.sealer(refresh=True)
-        if isinstance(current, crypto.RotatingSealer):
+        if isinstance(current, rotation.RotatingSealer):
             return current.old, crypto.Sealer(current.master_key), True
         with lc.write_transaction() as conn:
             refuse_revoked(read_meta(conn, lc.path))

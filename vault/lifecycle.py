@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import backupmark, crypto, filerotation, keyjournal, legacy, retention, testhooks
+from . import backupmark, crypto, filerotation, keyjournal, legacy, retention, rotation, testhooks
 from .db import audit, read_meta, set_meta
 from .errors import Interrupted, KeyProblem, VaultBusy
 from .files import Progress
@@ -110,7 +110,7 @@ class KeyLifecycle(KeptVersions):
                 if old is None and self.meta().get(ROTATING_FROM) != old_kid:
                     continue  # it ended and dropped that entry meanwhile
                 old = require_key(old, vault_id, old_kid, ks.name)
-                sealer = crypto.RotatingSealer(key, crypto.Sealer(old))
+                sealer = rotation.RotatingSealer(key, crypto.Sealer(old))
             self._sealer = sealer
             if (
                 meta["format"] == LEGACY_FORMAT
@@ -119,7 +119,7 @@ class KeyLifecycle(KeptVersions):
             ):
                 self.tidy()
             if (
-                isinstance(sealer, crypto.RotatingSealer)
+                isinstance(sealer, rotation.RotatingSealer)
                 and not backupmark.is_backup(meta)
                 and filerotation.cut_off(meta)
             ):
@@ -235,7 +235,7 @@ class KeyLifecycle(KeptVersions):
         if ROTATING_FROM in meta and "revoked_at" not in meta and not backupmark.is_backup(meta):
             with contextlib.suppress(KeyProblem):
                 sealer = self.sealer(refresh=True)  # finishes a cut-off one itself
-                if isinstance(sealer, crypto.RotatingSealer):
+                if isinstance(sealer, rotation.RotatingSealer):
                     self._finish_rotation(sealer.old, crypto.Sealer(sealer.master_key), None, True)
             meta = self.meta()
         return meta

@@ -13,8 +13,8 @@ its rows in batches, each one:
 4. followed by a short pause with the lock released: SQLite's busy handler is not
    first come, first served, and a waiting writer must get its turn.
 
-Readers meanwhile open each row with the key its envelope names (vault.crypto's
-`RotatingSealer`); writers use the new key from the switch on (the guard refuses
+Readers meanwhile open each row with the key its envelope names (`RotatingSealer`);
+writers use the new key from the switch on (the guard refuses
 the old one). Rows a batch skipped because they changed are found again by the
 stragglers pass, which looks at every row still naming the old key.
 
@@ -40,6 +40,47 @@ DEFAULT_BATCH = 2000
 # With the lock released after each batch: long enough for a waiting writer's busy
 # handler to find it free, short beside a batch's cryptography (tens of ms).
 DEFAULT_PAUSE = 0.002
+
+
+class RotatingSealer(crypto.Sealer):
+    """The key of a vault whose rows a rotation is moving: it seals under the new key
+    and opens each row with the key its envelope names, the new one or the old one.
+
+    Both stay readable until every row has moved (vault.rotation); a row's kid is read
+    unauthenticated only to pick the key, which then authenticates the row.
+    """
+
+    def __init__(self, new_master_key: str, old: crypto.Sealer) -> None:
+        super().__init__(new_master_key)
+        self.old = old
+
+    def __repr__(self) -> str:
+        return f"<RotatingSealer kid={self.kid} from={self.old.kid}>"
+
+    def for_kid(self, kid: str | None) -> crypto.Sealer | None:
+        if kid == self.old.kid:
+            return self.old
+        return super().for_kid(kid)
+
+    def open(
+        self, session_id: str, message_data: str, ttl: int | None, now: int | None = None
+    ) -> crypto.Opened:
+        if crypto.kid_of(message_data) == self.old.kid:
+            return self.old.open(session_id, message_data, ttl, now)
+        return super().open(session_id, message_data, ttl, now)
+
+    def state(
+        self,
+        session_id: str,
+        message_data: str,
+        ttl: int | None,
+        now: int | None = None,
+        *,
+        decode: bool = False,
+    ) -> crypto.ItemState:
+        if crypto.kid_of(message_data) == self.old.kid:
+            return self.old.state(session_id, message_data, ttl, now, decode=decode)
+        return super().state(session_id, message_data, ttl, now, decode=decode)
 
 
 class RotationRows(Protocol):
