@@ -411,7 +411,9 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
         """A new key, rows re-encrypted online in batches (engines.postgres.rotate); also finishes a
         rotation that was cut off."""
         self.sealer()  # the key errors (missing, revoked) before any change
-        return self.call(lambda: pgrotate.rotate(self, progress, batch))
+        report = self.call(lambda: pgrotate.rotate(self, progress, batch))
+        assert report is not None  # None only when asked to resume alone
+        return report
 
     # -- admin (vault.engines.postgres.admin) -------------------------------------------
     def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
