@@ -185,7 +185,7 @@ def test_a_token_that_may_only_encrypt_cannot_unwrap(key: str) -> None:
         transit.unwrap(wrapped)
     assert caught.value.exit_code == EXIT_KEY
     message = caught.value.message
-    assert f"transit/decrypt/{key}" in message and "host policy" in message
+    assert f"transit/decrypt/{key}" in message and "the host policy" in message
     assert token not in message
 
 
@@ -261,3 +261,36 @@ def test_a_renewable_token_is_renewed_when_its_ttl_runs_low(key: str) -> None:
     assert transit.unwrap(wrapped) == master
     data = admin.auth.token.lookup(token)["data"]
     assert data.get("last_renewal_time") and data["ttl"] > 5
+
+
+def policies_of_the_fleet_page(key: str) -> tuple[str, str]:
+    """The operator and host policies docs/fleet.md gives, for `key`."""
+    text = (ROOT / "docs" / "fleet.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```hcl\n")[1:]]
+    assert len(blocks) == 2, "docs/fleet.md: the operator's and the host's policy"
+    operator, host = (b.replace("memvault-laptop-42", key) for b in blocks)
+    return operator, host
+
+
+def test_the_fleet_pages_policies_let_each_role_do_its_part_and_no_more() -> None:
+    key = baoserver.key_name()
+    operator_hcl, host_hcl = policies_of_the_fleet_page(key)
+    operator = transit_with(key, baoserver.token_with(operator_hcl))
+    host = transit_with(key, baoserver.token_with(host_hcl))
+    assert operator.ensure_key() is True and operator.ensure_key() is False
+    master, wrapped = host.new_key()
+    assert host.unwrap(host.wrap(master)) == master == host.unwrap(wrapped)
+    for step in (host.rotate_key, lambda: host.set_min_decryption_version(1), host.delete_key):
+        with pytest.raises(KeySourceDenied, match="the operator policy"):
+            step()
+    assert operator.rotate_key() == 2
+    rewrapped = host.rewrap(wrapped)
+    operator.set_min_decryption_version(2)
+    assert host.unwrap(rewrapped) == master
+    with pytest.raises(KeySourceDenied):  # nor any other key
+        transit_with(key + "-other", host._creds.token or "").wrap(master)  # noqa: SLF001
+    assert operator.delete_key() is True
+    # A host's encrypt cannot bring a deleted key back (no `create` on encrypt).
+    with pytest.raises(KeyProblem):
+        host.wrap(master)
+    assert transit_with(key, ADMIN_TOKEN).delete_key() is False

@@ -33,6 +33,13 @@ KEY_TYPE = "aes256-gcm96"
 RENEW_BELOW = 0.5
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _MOUNT = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+# Each endpoint the calls use, below the mount; the first three need the operator's rights.
+_PATHS = {
+    "keys": "keys/{}", "config": "keys/{}/config", "rotate": "keys/{}/rotate",
+    "encrypt": "encrypt/{}", "decrypt": "decrypt/{}", "datakey": "datakey/plaintext/{}",
+    "rewrap": "rewrap/{}",
+}  # fmt: skip
+_OPERATOR = ("keys", "config", "rotate")
 _WRAPPED = re.compile(r"(?:vault|bao):v([0-9]+):[A-Za-z0-9+/=]+")
 
 
@@ -215,9 +222,11 @@ class Transit:
             self._client.auth.token.lookup_self()
         except Exception:
             return bad_token  # the token itself no longer works
+        role = "operator" if path in _OPERATOR else "host"
+        endpoint = f"{self.mount}/{_PATHS[path].format(self.key_name)}"
         return KeySourceDenied(
             f"the token from {origin} may not {what}: its policy lacks `update` on "
-            f"{self.mount}/{path}/{self.key_name}; ask the operator for the host policy "
+            f"{endpoint}; ask the operator for a token with the {role} policy "
             "(docs/fleet.md)"
         )
 
@@ -247,7 +256,7 @@ class Transit:
     def _configure(self, **settings: Any) -> None:
         self._call(
             "configure the transit key",
-            "keys",
+            "config",
             self._transit().update_key_configuration,
             self.key_name,
             mount_point=self.mount,
@@ -264,7 +273,7 @@ class Transit:
     def rotate_key(self) -> int:
         """A new version of the transit key, which new wraps use; returns its number."""
         t = self._transit()
-        self._call("rotate the transit key", "keys", t.rotate_key, self.key_name, self.mount)
+        self._call("rotate the transit key", "rotate", t.rotate_key, self.key_name, self.mount)
         return self.versions()[0]
 
     def set_min_decryption_version(self, version: int) -> None:
