@@ -243,9 +243,10 @@ def test_an_approle_login_gets_a_token_that_unwraps(
     assert transit.unwrap(transit.wrap(master)) == master
     # A secret id that is not the role's: refused, exit 4, the secret never shown.
     secret_file.write_text("00000000-0000-0000-0000-000000000000")
-    with pytest.raises(KeyProblem) as caught:
+    with pytest.raises(KeySourceDenied) as caught:
         Transit(key).wrap(master)
-    assert caught.value.exit_code == EXIT_KEY and secret_id not in caught.value.message
+    assert caught.value.exit_code == EXIT_KEY and "secret id" in caught.value.message
+    assert secret_id not in caught.value.message and role_id not in caught.value.message
 
 
 def test_a_renewable_token_is_renewed_when_its_ttl_runs_low(key: str) -> None:
@@ -294,3 +295,21 @@ def test_the_fleet_pages_policies_let_each_role_do_its_part_and_no_more() -> Non
     with pytest.raises(KeyProblem):
         host.wrap(master)
     assert transit_with(key, ADMIN_TOKEN).delete_key() is False
+
+
+def test_neither_the_key_nor_the_token_reaches_the_logs(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import base64
+    import logging
+
+    token = baoserver.host_token(key)
+    caplog.set_level(logging.DEBUG)  # hvac, requests, urllib3: everything they say
+    transit = transit_with(key, token)
+    master = crypto.generate_key()
+    assert transit.unwrap(transit.wrap(master)) == master
+    data_key, _ = transit.new_key()
+    raw = [crypto.master_key_bytes(k) for k in (master, data_key)]
+    secrets_ = [master, data_key, token] + [base64.b64encode(r).decode() for r in raw]
+    assert caplog.records  # the client did log (requests' connection lines)
+    assert not [s for s in secrets_ if s in caplog.text]

@@ -86,6 +86,7 @@ class Transit:
         self._client: Any = None
         self._broken: KeyProblem | None = None
         self._renew_at: float | None = None  # monotonic; None: never (root, or not renewable)
+        self._expires_at = 0.0
 
     def where(self) -> str:
         return f"transit key {self.key_name} (mount {self.mount}) at {self.addr}"
@@ -111,6 +112,14 @@ class Transit:
         # token="" rather than None: hvac would read VAULT_TOKEN or ~/.vault-token itself.
         client = hvac.Client(url=self.addr, token=creds.token or "", timeout=self.timeout)
         if creds.token is None:
+            self._log_in(client, creds)
+        self._note_ttl(self._call("look up its token", "", client.auth.token.lookup_self))
+        self._client = client
+        return client
+
+    def _log_in(self, client: Any, creds: Credentials) -> None:
+        """AppRole: the token it returns stays in this client, in memory."""
+        try:
             self._call(
                 "log in with AppRole",
                 "",
@@ -121,24 +130,38 @@ class Transit:
                     use_token=True,
                 ),
             )
-        self._note_ttl(self._call("look up its token", "", client.auth.token.lookup_self))
-        self._client = client
-        return client
+        except (KeySourceUnavailable, KeySourceDenied):
+            raise
+        except KeyProblem:  # 400 "invalid role or secret ID", or no such auth mount
+            raise KeySourceDenied(
+                f"the key service at {self.addr} refused the {creds.origin}: the role id or "
+                "secret id is wrong, or the secret id expired or was used up; get a new "
+                "secret id from the operator, or check MEMVAULT_TRANSIT_APPROLE_MOUNT"
+            ) from None
 
-    def _note_ttl(self, answer: Any) -> None:
+    def _note_ttl(self, answer: Any, before: float | None = None) -> None:
         data = (answer or {}).get("data") or {}
         ttl, full = int(data.get("ttl") or 0), int(data.get("creation_ttl") or 0)
-        if data.get("renewable") and ttl > 0:
-            self._renew_at = time.monotonic() + ttl - (full or ttl) * RENEW_BELOW
-        else:
+        if not data.get("renewable") or ttl <= 0 or (before is not None and ttl <= before):
+            # Not renewable, never expiring, or at its maximum TTL: renewing again is no use.
             self._renew_at = None
+            return
+        self._expires_at = time.monotonic() + ttl
+        self._renew_at = self._expires_at - (full or ttl) * RENEW_BELOW
 
     def _renew_if_low(self) -> None:
         if self._renew_at is None or time.monotonic() < self._renew_at:
             return
         client = self._client
-        self._call("renew its token", "", client.auth.token.renew_self)
-        self._note_ttl(self._call("look up its token", "", client.auth.token.lookup_self))
+        left = self._expires_at - time.monotonic()
+        try:
+            self._call("renew its token", "", client.auth.token.renew_self)
+        except KeySourceDenied:
+            # A policy without renew-self: the token works until it expires, and the call
+            # after that says so.
+            self._renew_at = None
+            return
+        self._note_ttl(self._call("look up its token", "", client.auth.token.lookup_self), left)
 
     def check_usable(self) -> None:
         """Reach the server and check the token (nothing is decrypted)."""
