@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,12 +26,10 @@ SCRIPT = ROOT / "scripts" / "with-openbao"
 
 
 def script_env(tmp_path: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("MEMVAULT_TEST_BAO_", "VAULT_", "BAO_"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMVAULT_TEST_BAO_")}
     env["TMPDIR"] = str(tmp_path)
+    # A developer's own server and token, which the command must not see.
+    env.update(VAULT_ADDR="http://127.0.0.1:9", VAULT_TOKEN="developers-own-token")
     return env
 
 
@@ -59,6 +58,7 @@ def test_the_command_gets_a_server_with_transit_and_it_is_gone_afterwards(
     probe = (
         f'BAO_ADDR="$MEMVAULT_TEST_BAO_ADDR" BAO_TOKEN="$MEMVAULT_TEST_BAO_TOKEN" {bao} '
         "secrets list -format=json | grep -q '\"transit/\"' || exit 9; "
+        '[ -z "${VAULT_TOKEN:-}${VAULT_ADDR:-}" ] || exit 8; '
         'echo "$MEMVAULT_TEST_BAO_ADDR"; exit 7'
     )
     proc = subprocess.run(
@@ -110,3 +110,30 @@ def test_a_stopped_with_openbao_stops_its_server_and_removes_its_folder(
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_a_server_already_given_is_used_as_it_is_and_no_command_is_a_usage_error(
+    tmp_path: Path,
+) -> None:
+    env = {**script_env(tmp_path), "MEMVAULT_TEST_BAO_ADDR": "http://127.0.0.1:9"}
+    proc = subprocess.run(
+        [str(SCRIPT), "sh", "-c", 'echo "$MEMVAULT_TEST_BAO_ADDR"'],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stdout) == (0, "http://127.0.0.1:9\n")
+    assert list(tmp_path.glob("memvault-bao.*")) == []
+    proc = subprocess.run(
+        [str(SCRIPT)], env=script_env(tmp_path), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: scripts/with-openbao")
+
+
+def test_asking_for_the_openbao_tests_without_a_server_is_refused(tmp_path: Path) -> None:
+    # They would all be skipped, and the run reported green.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "openbao",
+         "tests/keys/test_transit_against_openbao.py"],
+        env=script_env(tmp_path), capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "scripts/with-openbao scripts/test -m openbao" in proc.stderr
