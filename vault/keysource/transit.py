@@ -248,7 +248,7 @@ class Transit:
         role = "operator" if path in _OPERATOR else "host"
         endpoint = f"{self.mount}/{_PATHS[path].format(self.key_name)}"
         return KeySourceDenied(
-            f"the token from {origin} may not {what}: its policy lacks `update` on "
+            f"the token from {origin} may not {what}: its policy does not allow it on "
             f"{endpoint}; ask the operator for a token with the {role} policy "
             "(docs/fleet.md)"
         )
