@@ -271,6 +271,19 @@ def test_a_swap_of_two_items_is_detected(five: Session) -> None:
     assert verdict(five, [r[0], r[3], r[2], r[1], r[4]]) == Verdict(Tamper.SWAPPED, 1)
 
 
+def test_a_swap_that_also_rewrites_the_positions_in_the_links_is_unauthenticated(
+    five: Session,
+) -> None:
+    links = [chain.Link.decode(raw) for _, raw in five.rows]
+    assert all(lk is not None for lk in links)
+    b, c = links[1], links[2]
+    assert b is not None and c is not None
+    rows = list(five.rows)
+    rows[1] = (five.rows[2][0], dataclasses.replace(c, pos=b.pos).encode())
+    rows[2] = (five.rows[1][0], dataclasses.replace(b, pos=c.pos).encode())
+    assert verdict(five, rows) == Verdict(Tamper.UNAUTHENTICATED, 1)
+
+
 def test_a_duplicated_item_is_detected(five: Session) -> None:
     assert verdict(five, [*five.rows, five.rows[2]]).kind is Tamper.DUPLICATED
 
