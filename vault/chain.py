@@ -22,6 +22,7 @@ import hmac as _hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives import hmac as _chmac
@@ -74,7 +75,7 @@ class ChainKey:
     vault_id: str
     secret: bytes
     _keyed: _chmac.HMAC = field(init=False, repr=False, compare=False)
-    _prefixes: dict[tuple[bytes, ...], _chmac.HMAC] = field(
+    _prefixes: dict[tuple[bool, bytes, int], _chmac.HMAC] = field(
         init=False, repr=False, compare=False, default_factory=dict
     )
 
@@ -85,16 +86,18 @@ class ChainKey:
     def __repr__(self) -> str:  # never show the secret
         return f"<ChainKey kid={self.kid}>"
 
-    def hmac(self, *prefix: bytes) -> _chmac.HMAC:
-        """A keyed HMAC already fed `prefix` (length-prefixed fields): copy it per item.
-        Kept for the next call: a session's items share theirs."""
-        h = self._prefixes.get(prefix)
+    def link_prefix(self, relinked: bool, tag: bytes, epoch: int) -> _chmac.HMAC:
+        """A keyed HMAC already fed the fields a session's links of one epoch share;
+        callers copy it per item, never update it (threads share it). Kept: the
+        next read of the session needs the same one."""
+        h = self._prefixes.get((relinked, tag, epoch))
         if h is None:
             if len(self._prefixes) >= 256:
                 self._prefixes.clear()
             h = self._keyed.copy()
-            h.update(_fields(*prefix))
-            self._prefixes[prefix] = h
+            domain = _RELINK_DOMAIN if relinked else _LINK_DOMAIN
+            h.update(_fields(domain, self.vault_id.encode(), tag, _num(epoch)))
+            self._prefixes[(relinked, tag, epoch)] = h
         return h
 
     def mac(self, data: bytes) -> bytes:
@@ -126,9 +129,10 @@ def genesis(vault_id: str, session_id: str, epoch: int) -> bytes:
     return hashlib.sha256(data).digest()[:MAC_BYTES]
 
 
-@dataclass(frozen=True)
-class Link:
-    """One item's chain record; `mac` equals `ident` until a rotation re-MACs it."""
+class Link(NamedTuple):
+    """One item's chain record; `mac` equals `ident` until a rotation re-MACs it.
+    A named tuple: one is built for every item read, and a frozen dataclass's
+    constructor costs several times as much."""
 
     epoch: int
     pos: int
@@ -170,29 +174,26 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _link_prefix(key: ChainKey, tag: bytes, epoch: int, relinked: bool) -> _chmac.HMAC:
-    """The MAC's fields shared by a session's items of one epoch, fed once per batch."""
-    domain = _RELINK_DOMAIN if relinked else _LINK_DOMAIN
-    return key.hmac(domain, key.vault_id.encode(), tag, _num(epoch))
+_POSITION = struct.Struct(f">QQ{MAC_BYTES}s")
 
 
 def _link_mac(
     prefix: _chmac.HMAC, pos: int, seq: int, prev: bytes, ident: bytes | None, text: str
 ) -> bytes:
-    """The MAC of one item: `ident` only in a re-MACed link (its prefix says so)."""
+    """The MAC of one item: `ident` only in a re-MACed link (its prefix's domain says
+    so). Fixed-size fields, then the text last: no length prefix is needed."""
     h = prefix.copy()
-    rest = [_num(pos), _num(seq), prev]
+    fixed = _POSITION.pack(pos, seq, prev)
     if ident is not None:
-        rest.append(ident)
-    rest.append(text.encode("utf-8", "surrogatepass"))
-    h.update(_fields(*rest))
+        fixed += ident
+    h.update(fixed + text.encode("utf-8", "surrogatepass"))
     return h.finalize()[:MAC_BYTES]
 
 
 def link_ok(key: ChainKey, link: Link, text: str) -> bool:
     """Whether the link's MAC holds for this envelope text under `key`."""
     relinked = link.mac != link.ident
-    prefix = _link_prefix(key, link.tag, link.epoch, relinked)
+    prefix = key.link_prefix(relinked, link.tag, link.epoch)
     ident = link.ident if relinked else None
     mac = _link_mac(prefix, link.pos, link.seq, link.prev, ident, text)
     return _hmac.compare_digest(mac, link.mac)
@@ -293,7 +294,7 @@ def extend(
     operation (one `seq`), one HMAC per item and one for the head."""
     seq = head.seq + 1
     tag = session_tag(key.vault_id, session_id)
-    prefix = _link_prefix(key, tag, head.epoch, relinked=False)
+    prefix = key.link_prefix(False, tag, head.epoch)
     prev, links = head.last, []
     for i, text in enumerate(texts):
         ident = _link_mac(prefix, head.end + i, seq, prev, None, text)
@@ -343,11 +344,11 @@ def remac(old: ChainKey, new: ChainKey, link: Link, old_text: str, new_text: str
     is kept as it is and reported, as the rotation keeps an unreadable envelope)."""
     if not link_ok(old, link, old_text):
         return None
-    prefix = _link_prefix(new, link.tag, link.epoch, relinked=True)
+    prefix = new.link_prefix(True, link.tag, link.epoch)
     mac = _link_mac(prefix, link.pos, link.seq, link.prev, link.ident, new_text)
     if mac == link.ident:  # 2^-128; the encoding needs them different
         raise ValueError("chain MAC collision")
-    return replace(link, mac=mac)
+    return link._replace(mac=mac)
 
 
 def remac_head(old: ChainKey, new: ChainKey, session_id: str, head: Head) -> Head | None:

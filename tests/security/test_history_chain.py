@@ -279,8 +279,8 @@ def test_a_swap_that_also_rewrites_the_positions_in_the_links_is_unauthenticated
     b, c = links[1], links[2]
     assert b is not None and c is not None
     rows = list(five.rows)
-    rows[1] = (five.rows[2][0], dataclasses.replace(c, pos=b.pos).encode())
-    rows[2] = (five.rows[1][0], dataclasses.replace(b, pos=c.pos).encode())
+    rows[1] = (five.rows[2][0], c._replace(pos=b.pos).encode())
+    rows[2] = (five.rows[1][0], b._replace(pos=c.pos).encode())
     assert verdict(five, rows) == Verdict(Tamper.UNAUTHENTICATED, 1)
 
 
@@ -362,7 +362,7 @@ def test_editing_any_field_of_a_link_makes_it_unauthenticated(five: Session, nam
     if name == "ident":
         fields["mac"] = edited  # as a freshly written link stores it
     rows = list(five.rows)
-    rows[2] = (text, dataclasses.replace(link, **fields).encode())
+    rows[2] = (text, link._replace(**fields).encode())
     assert verdict(five, rows) == Verdict(Tamper.UNAUTHENTICATED, 2)
 
 
