@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vault import crypto
 from vault.chain import Anchor, ChainKey, Head, Link, head_ok, link_ok, session_tag
@@ -90,6 +90,44 @@ def check(
     if head is None:
         # No head: a session never written, or one whose head was deleted.
         return OK if not rows else _headless(keys, session_id, rows[0])
+    first = _judge_head(keys, session_id, head, anchor)
+    return first if first is not None else _rows(keys, session_id, rows, head)
+
+
+def check_tail(
+    keys: Mapping[str, ChainKey],
+    session_id: str,
+    rows: Sequence[Row],
+    head: Head | None,
+    limit: int,
+    anchor: Anchor | None = None,
+) -> Verdict:
+    """Whether `rows`, what a `get_items(limit)` read found (the session's last stored
+    rows, at most `limit`), are its head's last items, in order: a cost in `limit`,
+    not in the history's length.
+
+    A problem inside the window is found (its kind judged from the window alone;
+    `check` over every row names it exactly); one before the window is `verify`'s.
+    """
+    if head is None:
+        return OK if not rows else _headless(keys, session_id, rows[0])
+    first = _judge_head(keys, session_id, head, anchor)
+    if first is not None:
+        return first
+    want = max(min(limit, head.count), len(rows))
+    if want >= head.count:
+        return _rows(keys, session_id, rows, head)
+    # The window's own head: it starts where the last `want` items start, and its
+    # floor is what its first row links to (checked by that row's MAC).
+    lead = _authentic(keys, rows[0]) if rows else None
+    base = head.end - want
+    floor = lead.prev if lead is not None and lead.pos == base else head.floor
+    return _rows(keys, session_id, rows, replace(head, base=base, floor=floor))
+
+
+def _judge_head(
+    keys: Mapping[str, ChainKey], session_id: str, head: Head, anchor: Anchor | None
+) -> Verdict | None:
     hkey = keys.get(head.kid)
     if hkey is None or not head_ok(hkey, session_id, head):
         return Verdict(Tamper.UNAUTHENTICATED)
@@ -97,7 +135,14 @@ def check(
         head.seq < anchor.seq or (head.seq == anchor.seq and head.anchor() != anchor)
     ):
         return Verdict(Tamper.ROLLED_BACK)
-    tag = session_tag(hkey.vault_id, session_id)
+    return None
+
+
+def _rows(
+    keys: Mapping[str, ChainKey], session_id: str, rows: Sequence[Row], head: Head
+) -> Verdict:
+    """The first problem of the rows, the head already authenticated."""
+    tag = session_tag(keys[head.kid].vault_id, session_id)
     links = [_authentic(keys, row) for row in rows]
     ours = [
         lk if lk is not None and lk.tag == tag and lk.epoch == head.epoch else None for lk in links

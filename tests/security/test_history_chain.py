@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.security.chainmodel import VAULT_ID, Session
 from vault import chain, crypto
-from vault.chaincheck import Row, Tamper, Verdict, check
+from vault.chaincheck import Row, Tamper, Verdict, check, check_tail
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -395,3 +395,59 @@ def test_a_rotation_re_macs_each_row_alone_and_refuses_a_forged_one(five: Sessio
     assert chain.remac(five.key, new_key, link, text, stamped[0]) is not None
     forged = five.sealer.seal("s", {"injected": True})
     assert chain.remac(five.key, new_key, link, forged, stamped[0]) is None
+
+
+# --- a limited read checks its window only, and everything in it -----------------
+
+
+def tampered(s: Session, data: st.DataObject) -> list[Row]:
+    """The session's rows after one tampering of any kind, drawn."""
+    rows = list(s.rows)
+    spare = s.popped + s.cleared + s.purged
+    kinds = ["cut", "delete", "duplicate", "byte"] + (["swap"] if len(rows) > 1 else [])
+    kinds += ["insert"] if spare else []
+    kind = data.draw(st.sampled_from(kinds))
+    at = data.draw(st.integers(0, len(rows) - 1))
+    if kind == "cut":
+        return rows[:at]
+    if kind == "delete":
+        return rows[:at] + rows[at + 1 :]
+    if kind == "duplicate":
+        return rows[: at + 1] + [rows[at]] + rows[at + 1 :]
+    if kind == "swap":
+        j = data.draw(st.integers(0, len(rows) - 1).filter(lambda j: j != at))
+        rows[at], rows[j] = rows[j], rows[at]
+        return rows
+    if kind == "insert":
+        rows.insert(data.draw(st.integers(0, len(rows))), data.draw(st.sampled_from(spare)))
+        return rows
+    text, raw = rows[at]
+    rows[at] = (text[:-3] + ("A" if text[-3] != "A" else "B") + text[-2:], raw)
+    return rows
+
+
+@FAST
+@given(HISTORY, st.data())
+def test_a_limited_read_finds_any_tampering_inside_its_window_and_nothing_outside(
+    ops: list[Any], data: st.DataObject
+) -> None:
+    s = session(ops, at_least=1)
+    for k in range(1, len(s.rows) + 1):
+        assert check_tail(s.keys, "s", s.rows[-k:], s.head, k) == Verdict()
+    rows = tampered(s, data)
+    for k in range(1, len(s.rows) + 2):
+        window = rows[-k:] if rows else []
+        found = check_tail(s.keys, "s", window, s.head, k)
+        if window == s.rows[-k:]:
+            assert found == Verdict(), k  # the tampering lies before the window
+        else:
+            assert found.kind is not None, k
+    assert check(s.keys, "s", rows, s.head).kind is not None
+
+
+def test_a_limited_read_does_not_depend_on_the_rows_before_its_window() -> None:
+    s = Session.new()
+    s.add(50)
+    window = s.rows[-20:]
+    assert check_tail(s.keys, "s", window, s.head, 20) == Verdict()
+    assert check_tail(s.keys, "s", [window[0], *window[2:]], s.head, 20).kind is not None
