@@ -63,6 +63,11 @@ def _fields(*parts: bytes) -> bytes:
     return b"".join(struct.pack(">I", len(p)) + p for p in parts)
 
 
+def _utf8(text: str) -> bytes:
+    # surrogatepass: a session id or row is any Python str, lone surrogates included.
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _num(n: int) -> bytes:
     return struct.pack(">Q", n)
 
@@ -96,7 +101,7 @@ class ChainKey:
                 self._prefixes.clear()
             h = self._keyed.copy()
             domain = _RELINK_DOMAIN if relinked else _LINK_DOMAIN
-            h.update(_fields(domain, self.vault_id.encode(), tag, _num(epoch)))
+            h.update(_fields(domain, _utf8(self.vault_id), tag, _num(epoch)))
             self._prefixes[(relinked, tag, epoch)] = h
         return h
 
@@ -118,14 +123,14 @@ def chain_key(master_key: str, vault_id: str) -> ChainKey:
 def session_tag(vault_id: str, session_id: str) -> bytes:
     """A key-independent tag of the session (its id is in the row already): lets `check`
     tell an item moved from another session of the vault from a forged one."""
-    return hashlib.sha256(_fields(_TAG_DOMAIN, vault_id.encode(), session_id.encode())).digest()[
+    return hashlib.sha256(_fields(_TAG_DOMAIN, _utf8(vault_id), _utf8(session_id))).digest()[
         :MAC_BYTES
     ]
 
 
 def genesis(vault_id: str, session_id: str, epoch: int) -> bytes:
     """The `prev` of an epoch's first item; key-independent so a rotation keeps it."""
-    data = _fields(_GENESIS_DOMAIN, vault_id.encode(), session_id.encode(), _num(epoch))
+    data = _fields(_GENESIS_DOMAIN, _utf8(vault_id), _utf8(session_id), _num(epoch))
     return hashlib.sha256(data).digest()[:MAC_BYTES]
 
 
@@ -186,7 +191,7 @@ def _link_mac(
     fixed = _POSITION.pack(pos, seq, prev)
     if ident is not None:
         fixed += ident
-    h.update(fixed + text.encode("utf-8", "surrogatepass"))
+    h.update(fixed + _utf8(text))
     return h.finalize()[:MAC_BYTES]
 
 
@@ -258,9 +263,9 @@ class Head:
 def _head_input(key: ChainKey, session_id: str, h: Head) -> bytes:
     return _fields(
         _HEAD_DOMAIN,
-        key.vault_id.encode(),
-        session_id.encode(),
-        h.kid.encode(),
+        _utf8(key.vault_id),
+        _utf8(session_id),
+        _utf8(h.kid),
         _num(h.epoch),
         _num(h.base),
         _num(h.end),

@@ -451,3 +451,12 @@ def test_a_limited_read_does_not_depend_on_the_rows_before_its_window() -> None:
     window = s.rows[-20:]
     assert check_tail(s.keys, "s", window, s.head, 20) == Verdict()
     assert check_tail(s.keys, "s", [window[0], *window[2:]], s.head, 20).kind is not None
+
+
+def test_any_str_chains_even_one_with_a_lone_surrogate() -> None:
+    key = chain.chain_key(crypto.generate_key(), VAULT_ID)
+    sid, text = "odd\udc80id", crypto.envelope_text(key.kid, "gAAAAA\udc80")
+    links, head = chain.extend(key, sid, chain.new_head(key, sid), [text])
+    rows = [(text, links[0].encode())]
+    assert check({key.kid: key}, sid, rows, head) == Verdict()
+    assert check({key.kid: key}, sid, [], head) == Verdict(Tamper.CUT_TAIL, 0)
