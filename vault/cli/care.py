@@ -12,7 +12,7 @@ from vault.cli.common import (
     common,
     confirm,
     emit,
-    open_vault,
+    open_any,
     plural,
     postgres_url,
     refuse_option,
@@ -58,16 +58,8 @@ def backup_cmd(dest: str) -> None:
     from vault.targets import over_vault
 
     refuse_vault_target(dest, over_vault("backup"))
-    url = postgres_url()
-    if url is not None:
-        from vault.engines.postgres.backup import backup as pg_backup
-        from vault.engines.postgres.vault import PgVault
-
-        r = pg_backup(PgVault.open(url), dest)
-    else:
-        from vault.engines.sqlite.backup import backup
-
-        r = backup(open_vault(), dest)
+    vault = open_any()
+    r = vault.backup(dest)
 
     def human() -> None:
         say(
@@ -78,11 +70,8 @@ def backup_cmd(dest: str) -> None:
             "to restore it on another machine:",
             *(f"  {step}" for step in r.restore),
         )
-        if url is not None:
-            click.echo(
-                "the copy is a vault file (SQLite) holding one snapshot of the PostgreSQL vault; "
-                "for a server-side backup use pg_dump"
-            )
+        if vault.backup_note:
+            click.echo(vault.backup_note)
 
     emit(r.as_dict(), human)
     if r.key_problem:
@@ -124,16 +113,10 @@ def verify_cmd() -> None:
       memvault verify
       memvault --db backup.db --json verify
     """
-    from vault.verify import VerifyReport, verify
+    from vault.engines.registry import verify_vault
+    from vault.verify import VerifyReport
 
-    url = postgres_url()
-    report: VerifyReport
-    if url is not None:
-        from vault.engines.postgres.read import verify as pg_verify
-
-        report = pg_verify(url)
-    else:
-        report = verify(state().db)
+    report: VerifyReport = verify_vault(state().db)  # read-only: not through open_any
     doc = report.as_dict()
     rotation = doc.get("rotation")
 

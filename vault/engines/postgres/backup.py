@@ -27,7 +27,7 @@ from vault.keyjournal import CURRENT, DESTROYED
 from vault.verify import BATCH
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+    from vault.engines.postgres.kept import PgKeptVersions as PgVault
 
 
 def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupResult:

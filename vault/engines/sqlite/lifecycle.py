@@ -32,9 +32,6 @@ from vault.engines.sqlite import legacy
 from vault.engines.sqlite.db import audit, read_meta, row_batches, set_meta
 from vault.engines.sqlite.keptkeys import KeptVersions
 from vault.engines.sqlite.keptkeys import (
-    KeyVersionInfo as KeyVersionInfo,  # re-exported: the engines' `key list`
-)
-from vault.engines.sqlite.keptkeys import (
     refuse_revoked as refuse_revoked,  # re-exported: both engines refuse
 )
 from vault.engines.sqlite.keptkeys import (
@@ -45,7 +42,7 @@ from vault.errors import Interrupted, KeyProblem, VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, DESTROYED, PENDING, RETAINED, RETIRED, entry_name
 from vault.keys import KeyStore, require_key
-from vault.results import Report
+from vault.results import KeyVersionInfo, Report
 
 
 class KeyLifecycle(KeptVersions):
@@ -56,12 +53,6 @@ class KeyLifecycle(KeptVersions):
         self._keystore = keystore
         self._sealer: crypto.Sealer | None = None
         self._rotation_committed = False  # read when Ctrl-C interrupts a rotation
-
-    @property
-    def keystore(self) -> KeyStore:
-        if self._keystore is None:
-            self._keystore = KeyStore()
-        return self._keystore
 
     def journal(self) -> tuple[dict[str, str], list[keyjournal.KeyVersion]]:
         """The meta and the key versions, from one snapshot."""
