@@ -336,6 +336,13 @@ class Importer:
         """The details of a session's `import` audit event (the marks a rerun resumes by)."""
         return {"items": count, "part": part, "parts": parts, **self.resume.marks(sid)}
 
+    def _inserted(self, n: int, progress: Progress | None) -> int:
+        """A batch of `n` rows is in (not committed yet): the progress bar moves on."""
+        if progress:
+            progress(n)
+        testhooks.failpoint("import-in-transaction")
+        return n
+
     def _read_back(self, sid: str, sealer: crypto.Sealer) -> ReadBack:
         return ReadBack(sid, sealer)
 
@@ -371,10 +378,7 @@ class Importer:
                     "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP))",
                     self._seal_batch(sid, batch, sealer, source_digest),
                 )
-                count += len(batch)
-                if progress:
-                    progress(len(batch))
-                testhooks.failpoint("import-in-transaction")
+                count += self._inserted(len(batch), progress)
             check = self._read_back(sid, sealer)
             for (data,) in conn.execute(
                 f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id",

@@ -9,6 +9,7 @@ unknown session is told.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,13 @@ class MetaKeys:
     @property
     def ttl(self) -> int | None:
         return parse_ttl(self.meta(), self.path)
+
+
+def new_identity(ks: KeyStore) -> tuple[str, str, str]:
+    """A new vault's (master key, key id, vault id), once the keyring is known usable."""
+    ks.check_usable()
+    key = crypto.generate_key()
+    return key, crypto.key_id(key), "mv-" + secrets.token_hex(12)
 
 
 def new_meta(fmt: str, vault_id: str, kid: str, ttl: int | None, now: str) -> dict[str, str]:

@@ -234,7 +234,12 @@ def _schema(conn: sqlite3.Connection, report: VerifyReport) -> None:
         report.add("schema", "table memvault_migrations is missing (a vault before migrations?)")
         return
     done = {r[0] for r in conn.execute("SELECT name FROM memvault_migrations")}
-    known = [fn.__name__ for fn in MIGRATIONS]
+    check_migrations(done, [fn.__name__ for fn in MIGRATIONS], report)
+
+
+def check_migrations(done: set[str], known: list[str], report: VerifyReport) -> None:
+    """Every migration this memvault knows is applied, and none it does not know (both
+    engines' `verify`)."""
     for name in known:
         if name not in done:
             report.add("schema", f"migration {name} is not applied")

@@ -8,7 +8,6 @@ never a vault without its key.
 from __future__ import annotations
 
 import contextlib
-import secrets
 from typing import Any, TypeVar
 
 from vault import crypto, durations
@@ -20,7 +19,7 @@ from vault.engines.sqlite.schema import FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, 
 from vault.errors import OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
-from vault.vaultops import new_meta
+from vault.vaultops import new_identity, new_meta
 
 V = TypeVar("V", bound=PgVaultBase)  # PgVault, which calls this: no import circle
 
@@ -30,10 +29,7 @@ def create(cls: type[V], url: str, ttl: int | None, keystore: KeyStore | None) -
     are already there."""
     vault = cls(parse(url), keystore)
     ks = vault.keystore
-    ks.check_usable()
-    key = crypto.generate_key()
-    kid = crypto.key_id(key)
-    vault_id = "mv-" + secrets.token_hex(12)
+    key, kid, vault_id = new_identity(ks)
 
     async def build(conn: Any) -> None:
         created = None

@@ -13,7 +13,7 @@ import datetime as _dt
 import hashlib
 from typing import TYPE_CHECKING, Any, cast
 
-from vault import crypto, testhooks
+from vault import crypto
 from vault.engines.postgres import schema as pgschema
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, session_exists_sql
 from vault.files import Progress
@@ -91,10 +91,7 @@ class PgImporter(Importer):
                     "VALUES ($1, $2, coalesce($3::timestamp, localtimestamp))",
                     self._seal_batch(sid, batch, current, source_digest, when),
                 )
-                count += len(batch)
-                if progress:
-                    progress(len(batch))
-                testhooks.failpoint("import-in-transaction")
+                count += self._inserted(len(batch), progress)
             check = self._read_back(sid, current)
             async for record in conn.cursor(
                 f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "

@@ -35,7 +35,7 @@ from vault.errors import (
     VaultError,
 )
 from vault.vaultops import check_limit, open_rows, parse_ttl
-from vault.verify import _KID, BATCH, PROBLEMS, VerifyReport, check_meta
+from vault.verify import _KID, BATCH, PROBLEMS, VerifyReport, check_meta, check_migrations
 
 if TYPE_CHECKING:
     from vault.keys import KeyStore
@@ -208,12 +208,7 @@ async def _schema(conn: Any, report: VerifyReport) -> bool:
             report.add("schema", f"table {table} is missing")
     if "memvault_migrations" in present:
         done = {r[0] for r in await conn.fetch("SELECT name FROM memvault_migrations")}
-        known = [name for name, _ in pgschema.MIGRATIONS]
-        for name in known:
-            if name not in done:
-                report.add("schema", f"migration {name} is not applied")
-        for name in sorted(done - set(known)):
-            report.add("schema", f"migration {name[:60]!r} is unknown (a newer memvault?)")
+        check_migrations(done, [name for name, _ in pgschema.MIGRATIONS], report)
     if MESSAGES_TABLE not in present:
         report.unverified_reason = report.unverified_reason or "the items' table is missing"
         return False

@@ -17,6 +17,7 @@ from typing import Any
 from vault import keyjournal
 from vault.engines.sqlite.schema import (
     AUDIT_COLUMNS,
+    BACKUP_COLUMNS,
     FORMAT,
     GUARD_MESSAGE,
     KEY_COLUMNS,
@@ -164,12 +165,9 @@ def _retained_keys_and_backups(schema: str) -> list[str]:
         "ALTER TABLE memvault_keys DROP CONSTRAINT IF EXISTS memvault_keys_state_check",
         f"ALTER TABLE memvault_keys ADD CONSTRAINT memvault_keys_state_check "
         f"CHECK (state IN ({KEY_STATES_SQL}))",
-        """CREATE TABLE memvault_backups (
+        f"""CREATE TABLE memvault_backups (
                seq BIGSERIAL,
-               backup_id TEXT PRIMARY KEY,
-               path TEXT NOT NULL,
-               kid TEXT NOT NULL,
-               created_at TEXT NOT NULL
+               {BACKUP_COLUMNS}
            )""",
         f"UPDATE memvault_meta SET value = '{FORMAT}' "
         f"WHERE key = 'format' AND value = '{PREVIOUS_FORMAT}'",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -30,7 +29,7 @@ from vault.engines.sqlite.schema import FORMAT, SQLITE_MAGIC, migrate, utcnow
 from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
-from vault.vaultops import new_meta
+from vault.vaultops import new_identity, new_meta
 
 # The vault class `create` builds (sqlite.vault.Vault, which calls it: a type variable, so
 # that the two do not import each other).
@@ -125,10 +124,7 @@ def create(
             f"{leftovers[0]} exists without its database; move it away before creating a vault here"
         )
     ks = keystore or KeyStore()
-    ks.check_usable()
-    key = crypto.generate_key()
-    kid = crypto.key_id(key)
-    vault_id = "mv-" + secrets.token_hex(12)
+    key, kid, vault_id = new_identity(ks)
     try:
         paths.ensure_private_folder(folder)
         fd, tmp = files.create_temp(folder, TEMP_TAG, _token(vault_id, kid))

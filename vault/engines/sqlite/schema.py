@@ -308,11 +308,12 @@ KEY_STATES_SQL = "'pending', 'current', 'retired', 'retained', 'destroyed'"
 # Every backup made of this vault: where it was written (an absolute path), the key it
 # uses, and the random id also written into the backup's own meta, which tells a
 # backup that was replaced from one that is still there.
-BACKUPS_TABLE_SQL = """CREATE TABLE IF NOT EXISTS memvault_backups (
-               backup_id TEXT PRIMARY KEY,
+BACKUP_COLUMNS = """backup_id TEXT PRIMARY KEY,
                path TEXT NOT NULL,
                kid TEXT NOT NULL,
-               created_at TEXT NOT NULL
+               created_at TEXT NOT NULL"""
+BACKUPS_TABLE_SQL = f"""CREATE TABLE IF NOT EXISTS memvault_backups (
+               {BACKUP_COLUMNS}
            )"""
 
 
