@@ -152,6 +152,11 @@ class AnyVault(Engine, Protocol):
 
     def forget(self, kid: str) -> dict[str, Any]: ...
 
+    def settle_keyring(self) -> dict[str, list[str]]:
+        """After a kit import: what this keyring dropped, or keeps for now, of the versions
+        other hosts moved on from (PostgreSQL; a file's open settles its own: {})."""
+        ...
+
     def shred(self) -> dict[str, Any]:
         """Destroy the key versions, the rows and what holds them; the report of it."""
         ...

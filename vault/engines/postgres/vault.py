@@ -344,6 +344,14 @@ class PgVault(pgkept.PgKeptVersions):
     def key_versions(self) -> list[KeyVersionInfo]:
         return pgadmin.key_versions(self)
 
+    def settle_keyring(self) -> dict[str, list[str]]:
+        return {
+            # Another host rotated: the versions the vault destroyed leave this keyring too.
+            "destroyed_here": pgadmin.forget_destroyed(self),
+            # A rotation still under way needs its old key here until it ends.
+            "kept_until_rotation_ends": pgadmin.kept_for_rotation(self),
+        }
+
     def record(self, event: str, kid: str | None, **details: Any) -> None:
         """Append one audit event in a transaction of its own."""
 

@@ -341,6 +341,10 @@ class Vault(KeyLifecycle):
         scrubbed = self.scrub() if deleted else True
         return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed)
 
+    def settle_keyring(self) -> dict[str, list[str]]:
+        """Nothing after a kit import: opening the file settles its entries (`tidy`)."""
+        return {}
+
     def shred(self, progress: Progress | None = None) -> dict[str, Any]:
         return shred(self.path, self._keystore, progress)
 
