@@ -44,6 +44,7 @@ class Popped:
 
     items: list[Any]
     scrubbed: bool
+    note: str | None = None  # what the engine adds about the removed rows (PostgreSQL)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Cleared:
     deleted: int
     unreadable_deleted: int
     scrubbed: bool
+    note: str | None = None  # what the engine adds about the removed rows (PostgreSQL)
 
 
 @dataclass(frozen=True)

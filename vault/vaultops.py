@@ -75,6 +75,11 @@ class MetaKeys:
         return parse_ttl(self.meta(), self.path)
 
 
+def ttl_value(ttl: int | None) -> str:
+    """The TTL as the meta row `ttl_seconds` holds it (`parse_ttl` reads it back)."""
+    return "never" if ttl is None else str(ttl)
+
+
 def new_identity(ks: KeyStore) -> tuple[str, str, str]:
     """A new vault's (master key, key id, vault id), once the keyring is known usable."""
     ks.check_usable()
@@ -88,7 +93,7 @@ def new_meta(fmt: str, vault_id: str, kid: str, ttl: int | None, now: str) -> di
         "format": fmt,
         "vault_id": vault_id,
         "kid": kid,
-        "ttl_seconds": "never" if ttl is None else str(ttl),
+        "ttl_seconds": ttl_value(ttl),
         "created_at": now,
         "rotated_at": now,
     }

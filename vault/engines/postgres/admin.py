@@ -37,7 +37,7 @@ from vault.errors import KeyProblem, OperationFailed, VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, DESTROYED, PENDING, entry_name
 from vault.results import KeyVersionInfo, Popped, Report
-from vault.vaultops import parse_ttl, popped_item
+from vault.vaultops import parse_ttl, popped_item, ttl_value
 
 if TYPE_CHECKING:
     from vault.engines.postgres.base import Keys
@@ -182,7 +182,7 @@ def set_ttl(vault: PgVault, ttl: int | None) -> None:
 
     async def body(conn: Any, _keys: Keys, current: crypto.Sealer) -> None:
         old = (await vault.read_meta(conn)).get("ttl_seconds")
-        new = "never" if ttl is None else str(ttl)
+        new = ttl_value(ttl)
         await set_meta(conn, ttl_seconds=new)
         await audit(conn, "ttl", current.kid, old=old, new=new)
 

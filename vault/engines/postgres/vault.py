@@ -242,7 +242,7 @@ class PgVault(pgkept.PgKeptVersions):
             n = int(status.split()[-1])
             await conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = $1", session_id)
             await audit(conn, "clear", current.kid, items=n, unreadable=unreadable)
-            return Cleared(n, unreadable, True)
+            return Cleared(n, unreadable, True, PG_SCRUB_NOTE)
 
         return self.change(body)
 
@@ -322,7 +322,9 @@ class PgVault(pgkept.PgKeptVersions):
         return pgadmin.purge(self, now, progress)
 
     def pop(self, session_id: str, n: int = 1) -> Popped:
-        return pgadmin.pop(self, session_id, n)
+        popped = pgadmin.pop(self, session_id, n)
+        popped.note = PG_SCRUB_NOTE
+        return popped
 
     def set_ttl(self, ttl: int | None) -> None:
         pgadmin.set_ttl(self, ttl)

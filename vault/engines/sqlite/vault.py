@@ -61,6 +61,7 @@ from vault.vaultops import (
     popped_item,
     refuse_unreadable,
     tally,
+    ttl_value,
     unknown_session,
 )
 
@@ -308,7 +309,7 @@ class Vault(KeyLifecycle):
         sealer = self.sealer()
         with self.write_transaction() as conn:
             old = read_meta(conn, self.path).get("ttl_seconds")
-            new = "never" if ttl is None else str(ttl)
+            new = ttl_value(ttl)
             set_meta(conn, ttl_seconds=new)
             audit(conn, "ttl", sealer.kid, old=old, new=new)
 
