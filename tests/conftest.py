@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import pty
@@ -32,6 +33,8 @@ from typing import Any
 
 import keyring
 import pytest
+
+from tests import keyring_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,8 +74,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if in_private_keyring():
         backend = type(keyring.get_keyring())
         assert backend.__module__ == "keyring.backends.SecretService", backend
-        bus = os.environ["DBUS_SESSION_BUS_ADDRESS"]  # saved: a test may change the variable
-        _daemon.update(bus=bus, pid=keyring_daemon_pid(bus))
+        # The bus is saved: a test may change the variable.
+        keyring_daemon.watch(os.environ["DBUS_SESSION_BUS_ADDRESS"])
         return
     # Outside scripts/test: never the developer's own keyring. The memory backend's file
     # lives in a temporary folder; the variables reach every subprocess a test starts.
@@ -101,56 +104,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# -- The private keyring's daemon --------------------------------------------------
-# Should gnome-keyring-daemon die mid-test, D-Bus restarts it (scripts/with-keyring's
-# service file) and the test's retry, or Hypothesis's replay, would pass: a flaky failure
-# that names only its symptom ("disconnected from message bus without replying",
-# FlakyStrategyDefinition). So the daemon's PID is recorded at the start and checked
-# after every test's call and teardown: the test during which it changed fails, with the
-# daemon's death first in its report.
-_daemon: dict[str, Any] = {}
-
-
-def keyring_daemon_pid(bus: str) -> int | None:
-    """PID of the process that owns the Secret Service name on `bus`, or None."""
-    from jeepney import DBusAddress, MessageType, new_method_call
-    from jeepney.io.blocking import open_dbus_connection
-
-    dbus = DBusAddress(
-        "/org/freedesktop/DBus", bus_name="org.freedesktop.DBus", interface="org.freedesktop.DBus"
-    )
-    call = new_method_call(dbus, "GetConnectionUnixProcessID", "s", ("org.freedesktop.secrets",))
-    with open_dbus_connection(bus) as conn:
-        reply = conn.send_and_get_reply(call, timeout=30)
-    if reply.header.message_type is MessageType.error:
-        return None  # no owner: the daemon is gone and nothing restarted it yet
-    return int(reply.body[0])
-
-
-def keyring_daemon_death() -> str | None:
-    """What happened to the daemon recorded at the start (or after the last death), if
-    it is no longer the one serving the keyring; None while it is."""
-    if not _daemon:
-        return None
-    now = keyring_daemon_pid(_daemon["bus"])
-    if now == _daemon["pid"]:
-        return None
-    after = f"PID {now} serves it now (restarted by D-Bus)" if now else "nothing serves it now"
-    return (
-        f"the private keyring's daemon (gnome-keyring-daemon, PID {_daemon['pid']}) died "
-        f"during this test; {after}. What the test reported below is its consequence."
-    )
-
-
+# -- The private keyring's daemon: a death mid-test fails that test, by name ------------
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     if call.when == "setup":
         return  # a death in setup is caught at the call, or at the teardown
-    death = keyring_daemon_death()
+    death = keyring_daemon.death_of_the_daemon()
     if death is None:
         return
-    _daemon["pid"] = keyring_daemon_pid(_daemon["bus"])  # blame this test alone
+    keyring_daemon.blamed()  # this test alone
     report = outcome.get_result()
     report.outcome = "failed"
     report.longrepr = f"{death}\n{report.longrepr or ''}"
@@ -273,8 +236,26 @@ def vault(vault_db: Path) -> Iterator[Any]:
     if vault_db.exists():
         from vault.engines.sqlite.vault import shred
 
+        if holds_open(vault_db):
+            # An SDK session the test left unclosed keeps its connection until collected:
+            # shred would wait out its lock timeout for it, then fail and leave the key.
+            gc.collect()
         with contextlib.suppress(Exception):
             shred(vault_db)
+
+
+def holds_open(db: Path) -> bool:
+    """True if this process has the database or a side file of it open. Where the OS
+    cannot tell (no /proc), say so: the caller then collects garbage to be sure."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        return True
+    names = {os.path.realpath(db) + suffix for suffix in ("", "-wal", "-shm", "-journal")}
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd) in names:
+                return True
+    return False
 
 
 def key_entry(vault: Any) -> str:

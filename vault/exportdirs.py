@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from vault import files
+from vault import erase
 
 EVENT = "export-folder"
 TEMP_TAG = "export"  # `--force` writes `.memvault-export-*` beside the target, then renames it
@@ -34,7 +34,7 @@ def remove_stale_exports(folder: Path) -> list[dict[str, Any]]:
 
     Only files memvault made there and no live export is writing (files.stale_temps).
     """
-    return files.remove_stale_temps(folder, TEMP_TAG, looks_like_export)
+    return erase.remove_stale_temps(folder, TEMP_TAG, looks_like_export)
 
 
 def recorded(log: Iterable[dict[str, Any]]) -> set[Path]:

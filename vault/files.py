@@ -18,17 +18,16 @@ import secrets
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 from vault.errors import BadInput, NotAVault
 
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in after lstat must not block us
+NONBLOCK = getattr(os, "ONONBLOCK", 0)  # a FIFO swapped in after lstat must not block us
 # Flags for opening a name that `lstat` said is a regular file. O_NOFOLLOW is POSIX
 # only (not on Windows): every open below also checks with lstat first.
-NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | _NONBLOCK
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | NONBLOCK
 
 
-def _nofollow() -> int:
+def nofollow() -> int:
     """O_NOFOLLOW where the platform has it, else 0 (looked up at each call)."""
     return getattr(os, "O_NOFOLLOW", 0)
 
@@ -205,7 +204,7 @@ def check_new_file(
     return target
 
 
-def _write_all(fd: int, data: bytes | Iterable[bytes]) -> None:
+def write_all(fd: int, data: bytes | Iterable[bytes]) -> None:
     for chunk in [data] if isinstance(data, bytes) else data:
         view = memoryview(chunk)
         while view:
@@ -224,7 +223,7 @@ def temp_name(tag: str, token: str | None = None) -> str:
     return f"{TEMP_PREFIX}{tag}-{token or secrets.token_hex(8)}"
 
 
-def _try_lock(fd: int) -> bool:
+def try_lock(fd: int) -> bool:
     """Take an exclusive flock without waiting; True where the platform has no flock."""
     try:
         import fcntl
@@ -243,11 +242,11 @@ def create_temp(folder: Path, tag: str, token: str | None = None) -> tuple[int, 
     Close the descriptor only after the file is renamed into place or removed.
     """
     tmp = folder / temp_name(tag, token)
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _nofollow() | getattr(os, "O_BINARY", 0)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow() | getattr(os, "O_BINARY", 0)
     fd = os.open(tmp, flags, 0o600)
     try:
         _chmod_private(fd, tmp)
-        _try_lock(fd)
+        try_lock(fd)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -285,7 +284,7 @@ def stale_temps(
             continue
         try:
             now = os.fstat(fd)
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not _try_lock(fd):
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not try_lock(fd):
                 continue
             if not looks_ours(os.read(fd, 64)):
                 continue
@@ -294,31 +293,6 @@ def stale_temps(
             continue
         finally:
             os.close(fd)
-
-
-def remove_stale_temps(
-    folder: Path,
-    tag: str,
-    looks_ours: Callable[[bytes], bool],
-    names: Callable[[Path], list[Path]] = lambda p: [p],
-) -> list[dict[str, Any]]:
-    """Overwrite and unlink what killed writers of kind `tag` left in `folder`: for each,
-    the `names` it stands for (`paths.sidecars` adds the files SQLite kept beside it).
-
-    Returns what was destroyed, as `destroy` reports it.
-    """
-    removed = []
-    for path, _token, st in stale_temps(folder, tag, looks_ours):
-        if st.st_nlink > 1:
-            continue  # a file with another name is not only ours: left alone
-        for name in names(path):
-            with contextlib.suppress(OSError):
-                entry = destroy(name)
-                if entry:
-                    removed.append(entry)
-    if removed:
-        fsync_dir(folder)
-    return removed
 
 
 def write_private(
@@ -344,7 +318,7 @@ def write_private(
     if replace:
         fd, tmp = create_temp(folder, tag)
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
             if os.name == "nt":  # Windows renames no open file (and has no flock to keep)
                 os.close(fd)
@@ -358,15 +332,15 @@ def write_private(
             if fd >= 0:
                 os.close(fd)  # after the rename: the lock covers the file until it is named
     else:
-        if not _nofollow() and os.path.lexists(target):
+        if not nofollow() and os.path.lexists(target):
             # O_CREAT | O_EXCL alone already refuses any existing name, a link included
             # (POSIX; CREATE_NEW on Windows): this check only names the case early.
             raise FileExistsError(errno.EEXIST, "the name exists", str(target))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _nofollow() | getattr(os, "O_BINARY", 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow() | getattr(os, "O_BINARY", 0)
         fd = os.open(target, flags, 0o600)
         try:
             _chmod_private(fd, target)
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -376,65 +350,3 @@ def write_private(
         os.close(fd)
     fsync_dir(folder)
     return target
-
-
-def overwrite(path: Path, header: bytes = b"", progress: Progress | None = None) -> int | None:
-    """Overwrite a regular file in place with `header` then zeros, and fsync it.
-
-    Returns its size, or None when `path` is missing or not a regular file (a link
-    is never followed, a FIFO or device never opened).
-    """
-    try:
-        before = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(before.st_mode):
-        return None
-    # Without O_NOFOLLOW (Windows) a link swapped in after the lstat would be followed:
-    # the fstat identity check below then refuses to write (the target is another
-    # file), so the one race left is the open itself (no FIFO or device exists there
-    # to be opened by accident; O_NONBLOCK keeps a FIFO from blocking elsewhere).
-    fd = os.open(path, os.O_RDWR | _nofollow() | _NONBLOCK | getattr(os, "O_BINARY", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (
-            before.st_dev,
-            before.st_ino,
-        ):
-            raise OSError(errno.EAGAIN, "the file was replaced while being shredded", str(path))
-        size = st.st_size
-        head = header[:size]
-        _write_all(fd, head)
-        done = len(head)
-        if progress:
-            progress(done)
-        chunk = bytes(1 << 20)
-        while done < size:
-            n = os.write(fd, chunk[: min(len(chunk), size - done)])
-            done += n
-            if progress:
-                progress(n)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return size
-
-
-def destroy(
-    path: Path, header: bytes = b"", progress: Progress | None = None
-) -> dict[str, Any] | None:
-    """Overwrite then unlink a regular file; unlink any other entry without opening it.
-
-    A symbolic link is removed, never followed: its target is left untouched. A
-    folder is refused (IsADirectoryError). Returns {"name", "size", "kind"}, or None
-    when nothing was there. The caller fsyncs the folder.
-    """
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(errno.EISDIR, "a folder is in the way", str(path))
-    size = overwrite(path, header, progress) if stat.S_ISREG(mode) else None
-    os.unlink(path)
-    return {"name": path.name, "size": size or 0, "kind": kind(mode)}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vault import crypto, files, paths, testhooks
+from vault import crypto, erase, files, paths, testhooks
 from vault.errors import OperationFailed
 from vault.import_source import Plan, SourceSession, digest_update, quote_name
 
@@ -133,7 +133,7 @@ def finish_destroying(source: Path) -> dict[str, Any]:
     done = []
     try:
         for p in paths.sidecars(source):
-            entry = files.destroy(p)
+            entry = erase.destroy(p)
             if entry:
                 done.append(entry)
         files.fsync_dir(source.parent)
@@ -208,14 +208,14 @@ def shred_locked(conn: sqlite3.Connection, plan: Plan, close: Callable[[], None]
         # plaintext frames), then -shm and -journal, then the database. Regular files
         # only: a link planted since the checks is never followed.
         for p in reversed(paths.sidecars(src)):
-            size = files.overwrite(p)
+            size = erase.overwrite(p)
             if size is not None:
                 sizes[p] = size
         testhooks.failpoint("import-during-source-shred")
         close()
         done = []
         for p in paths.sidecars(src):
-            entry = files.destroy(p)  # again: closing may have written to it
+            entry = erase.destroy(p)  # again: closing may have written to it
             if entry:
                 entry["size"] = max(entry["size"], sizes.get(p, 0))
                 done.append(entry)

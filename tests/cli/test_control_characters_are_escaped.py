@@ -115,6 +115,7 @@ def error_line(result: Any, code: int) -> str:
     return line
 
 
+@pytest.mark.slow
 @settings(
     max_examples=20,
     deadline=None,

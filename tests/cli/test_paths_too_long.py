@@ -37,6 +37,7 @@ def still_readable(db: Path) -> None:
 LONG = "a" * 5000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

@@ -83,6 +83,7 @@ def plaintext_source(path: Path) -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(WRITING))
 def test_every_writing_command_refuses_a_backup_and_changes_nothing(
     vault: Vault, vault_db: Path, tmp_path: Path, command: str
@@ -117,6 +118,7 @@ READING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(READING))
 def test_reading_commands_work_on_a_backup(
     vault: Vault, vault_db: Path, tmp_path: Path, command: str

@@ -16,6 +16,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import vault as vault_pkg
 from tests.conftest import add_items, rows, run_cli, user
 from tests.files.test_export import one_line
@@ -56,6 +58,7 @@ def no_crash(r: Any) -> None:
     assert "unexpected error" not in r.err and "Traceback" not in r.err, r
 
 
+@pytest.mark.slow
 def test_deep_rows_are_unreadable_items_for_every_command(vault: Any, vault_db: Path) -> None:
     add_items(vault_db, "s", [user("kept one"), user("kept two")])
     plant_deep_rows(vault_db, "s")

@@ -351,6 +351,7 @@ def test_a_row_with_a_number_too_long_to_read_is_refused_saying_so(
     assert vault.count_items() == 0
 
 
+@pytest.mark.slow
 def test_a_killed_import_never_leaves_half_a_session(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import add_items, key_entry, user
-from vault import files, kit, paths
+from vault import erase, files, kit, paths
 
 REAL_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -110,7 +110,7 @@ def test_overwrite_and_unlink_without_O_NOFOLLOW(
     doomed.write_bytes(b"ciphertext" * 1000)
     keep = os.open(doomed, os.O_RDONLY)  # to look at the bytes after the unlink
     try:
-        report = files.destroy(doomed, header=b"memvault shredded")
+        report = erase.destroy(doomed, header=b"memvault shredded")
         assert report == {"name": "history.db-wal", "size": 10000, "kind": "file"}
         assert not doomed.exists()
         left = os.pread(keep, 20000, 0)
@@ -122,7 +122,7 @@ def test_overwrite_and_unlink_without_O_NOFOLLOW(
     victim.write_text("someone else's data\n")
     link = tmp_path / "history.db-shm"
     link.symlink_to(victim)
-    report = files.destroy(link)
+    report = erase.destroy(link)
     assert report is not None and report["kind"] == "symbolic link"
     assert not os.path.lexists(link)
     assert victim.read_text() == "someone else's data\n"  # the target is never written

@@ -102,6 +102,7 @@ def test_restore_into_an_empty_path_makes_the_vault_there(
     assert "backup_of" not in meta_of(elsewhere)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["-journal", "-wal", "-shm", ".restore-old"])
 def test_restore_never_makes_a_vault_where_the_live_vaults_next_open_deletes_it(
     vault: Vault, vault_db: Path, tmp_path: Path, name: str
@@ -293,6 +294,7 @@ def test_after_a_restore_shred_still_destroys_the_replaced_vaults_keys(
     assert keyring_entries(vault_id) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["restore-copied", "restore-renamed"])
 def test_a_restore_into_an_empty_path_killed_leaves_no_vault_or_a_whole_one(
     vault: Vault, vault_db: Path, tmp_path: Path, step: str

@@ -132,6 +132,7 @@ def test_the_first_open_moves_the_key_to_its_version_entry(old_vault: OldVault) 
 MOVE_STEPS = ["upgrade-after-store", "upgrade-after-commit", "tidy-after-delete"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", MOVE_STEPS)
 @pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
 def test_a_move_killed_at_any_step_leaves_a_vault_that_opens(

@@ -68,6 +68,7 @@ def still_readable(db: Path) -> None:
 # --------------------------------------------------------------------------
 # The headline scenarios, each in a new process
 # --------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "side"),
     [
@@ -95,6 +96,7 @@ def test_a_command_never_writes_over_the_vault_or_a_side_file(
     still_readable(filled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [".restore-new", ".restore-old"])
 @pytest.mark.parametrize(
     "args",

@@ -110,6 +110,7 @@ def test_an_unreachable_bus_address_is_named_with_the_fix(
     assert raw_bytes(filled) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
@@ -359,6 +360,7 @@ class SilentAtStart(Silent):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("backend", "doing"),
     [("silent.Silent", "read the vault key"), ("silent.SilentAtStart", "find the keyring backend")],

@@ -408,6 +408,7 @@ def test_help_of_the_key_commands_has_an_example() -> None:
     assert "Exit codes" in run_cli("key", "import", "--help").out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("command", "says"), [("revoke", "revoked"), ("shred", "^no vault at")])
 def test_a_revoke_or_shred_racing_an_import_leaves_no_key_behind(
     vault: Any, vault_db: Path, tmp_path: Path, monkeypatch: Any, command: str, says: str

@@ -232,12 +232,13 @@ def test_a_copy_whose_key_was_destroyed_during_the_backup_is_removed_with_its_re
     """A rotation between the record and the snapshot, and one between the snapshot and
     the record's update: the copy's key had no record, so the second destroyed it."""
     from vault.engines.sqlite import backup as backup_mod
+    from vault.engines.sqlite import filecopy
     from vault.engines.sqlite.vault import Vault as StoreVault
     from vault.errors import OperationFailed
 
     add_items(vault_db, "S", [user("x")])
     dest = tmp_path / "b.db"
-    real_record, real_settle = StoreVault.record_backup, backup_mod._settle
+    real_record, real_settle = StoreVault.record_backup, filecopy._settle
 
     def record_then_rotate(self: Any, target: Path) -> Any:
         rec = real_record(self, target)
@@ -250,7 +251,7 @@ def test_a_copy_whose_key_was_destroyed_during_the_backup_is_removed_with_its_re
         return out
 
     monkeypatch.setattr(StoreVault, "record_backup", record_then_rotate)
-    monkeypatch.setattr(backup_mod, "_settle", settle_then_rotate)
+    monkeypatch.setattr(filecopy, "_settle", settle_then_rotate)
     with pytest.raises(OperationFailed, match="destroyed meanwhile"):
         backup_mod.backup(Vault.open(vault_db), dest)
     assert not os.path.lexists(dest)

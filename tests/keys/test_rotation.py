@@ -685,6 +685,7 @@ def test_blocked_scrub_cli_rotate_exits_5_and_next_rotate_finishes(
         assert fresh.items(sid) == (items, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["purge", "clear"])
 def test_blocked_scrub_cli_purge_and_clear_say_so(
     vault: Vault, vault_db: Path, command: str

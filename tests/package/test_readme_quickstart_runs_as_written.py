@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 
 from tests.conftest import ROOT, run_on_terminal
 
@@ -110,6 +111,7 @@ def quickstart_steps() -> tuple[list[str], str, str]:
     return shell, saved_as[0], python[0]
 
 
+@pytest.mark.slow
 def test_the_quickstart_runs_as_written_offline(tmp_path: Path) -> None:
     shell, filename, program = quickstart_steps()
     assert shell[0].split("#")[0].strip() == INSTALL

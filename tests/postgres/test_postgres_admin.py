@@ -26,7 +26,7 @@ from tests.conftest import MEMORY_BACKEND, ROOT, keyring_entries, run_cli
 from tests.pgserver import MARKS, SERVER_URL, sql
 
 pytestmark = MARKS
-BUSY = "another rotation, purge, revoke or shred of"
+BUSY = "another rotation, purge, restore, revoke or shred of"
 KEY_CHANGED = "the vault's key changed: import the new recovery kit"
 
 

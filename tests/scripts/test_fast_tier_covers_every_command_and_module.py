@@ -1,9 +1,11 @@
 """The fast tier (`scripts/test` without --all) reaches every command and every module.
 
-Which files are in the tier is pytest's own answer (`--collect-only` with the tier's
-marks). A command is reached when a file of the tier spells its words in a row as string
-literals, as every test that runs one does (`run_cli("key", "export", ...)`). A module is
-reached when a file of the tier imports it or runs it (`-m vault.demo`), or a module so
+Which tests are in the tier is pytest's own answer: the items this session collected when
+it is the whole fast tier (`scripts/test`), else a `--collect-only` with the tier's marks.
+A command is reached when a fast test, or the helpers and constants of its file, spell its
+words in a row as string literals, as every test that runs one does (`run_cli("key",
+"export", ...)`); a test moved out of the tier no longer counts. A module is reached
+when that code imports it or runs it (`-m vault.demo`), or a module so
 reached imports it: at load, or inside a function, since the commands import their work
 lazily (to start fast) and the first test shows that the tier runs every command.
 Imports for type checking only (`if TYPE_CHECKING:`) do not count.
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 
 import vault
 from tests.conftest import ROOT
@@ -27,8 +30,38 @@ from tests.conftest import ROOT
 FAST = "not slow and not crash and not postgres"
 
 
+def runs_the_whole_fast_tier(config: pytest.Config) -> bool:
+    """True when this session is the fast tier over the whole suite, unfiltered."""
+    opt = config.option
+    return (
+        config.getoption("markexpr", "") == FAST
+        and config.args_source is pytest.Config.ArgsSource.TESTPATHS
+        and not (opt.keyword or opt.deselect or opt.ignore or getattr(opt, "lf", False))
+    )
+
+
+Tier = dict[Path, set[str]]  # each file of the fast tier: the names of its fast tests
+
+
+def tier_of(nodeids: list[str]) -> Tier:
+    tier: Tier = {}
+    for nodeid in nodeids:
+        file, name = nodeid.split("::")[:2]
+        tier.setdefault(ROOT / file, set()).add(name.split("[")[0])
+    return tier
+
+
+@pytest.fixture(scope="module")
+def fast_tier(request: pytest.FixtureRequest) -> Tier:
+    session = request.session
+    if runs_the_whole_fast_tier(session.config):
+        # A second collection of the whole suite costs as much as the rest of this file.
+        return tier_of([item.nodeid for item in session.items])
+    return collect_fast_tier()
+
+
 @functools.cache  # one collection for both tests
-def fast_tier_files() -> list[Path]:
+def collect_fast_tier() -> Tier:
     env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_TEST_POSTGRES_URL"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -36,9 +69,27 @@ def fast_tier_files() -> list[Path]:
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    files = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
-    assert len(files) > 20, proc.stdout[-3000:]
-    return sorted(ROOT / f for f in files)
+    tier = tier_of([line for line in proc.stdout.splitlines() if "::" in line])
+    assert len(tier) > 20, proc.stdout[-3000:]
+    return tier
+
+
+def fast_code(file: Path, fast: set[str]) -> ast.Module:
+    """The file without its tests that are not in the fast tier: what the tier runs of it
+    (its helpers and constants, and its fast tests)."""
+    tree = ast.parse(file.read_text())
+    tree.body = [
+        node
+        for node in tree.body
+        if getattr(node, "name", None) in fast
+        or not (
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.name.startswith("test")
+            or isinstance(node, ast.ClassDef)
+            and node.name.startswith("Test")
+        )
+    ]
+    return tree
 
 
 def string_runs(tree: ast.AST) -> list[list[str]]:
@@ -111,10 +162,10 @@ def vault_modules() -> dict[str, ast.Module]:
     return out
 
 
-def test_every_command_is_run_by_a_fast_test() -> None:
+def test_every_command_is_run_by_a_fast_test(fast_tier: Tier) -> None:
     from vault.cli import cli
 
-    runs = [r for f in fast_tier_files() for r in string_runs(ast.parse(f.read_text()))]
+    runs = [r for f, fast in fast_tier.items() for r in string_runs(fast_code(f, fast))]
     paths = command_paths(cli)
     assert len(paths) > 20
     missing = [
@@ -125,11 +176,11 @@ def test_every_command_is_run_by_a_fast_test() -> None:
     assert missing == [], f"no fast-tier test runs: {missing}"
 
 
-def test_every_module_is_loaded_by_a_fast_test() -> None:
+def test_every_module_is_loaded_by_a_fast_test(fast_tier: Tier) -> None:
     modules = vault_modules()
     reached: set[str] = set()
-    for f in fast_tier_files():
-        tree = ast.parse(f.read_text())
+    for f, fast in fast_tier.items():
+        tree = fast_code(f, fast)
         reached |= imports("tests.x", tree)
         reached |= {r[i + 1] for r in string_runs(tree) for i in range(len(r) - 1) if r[i] == "-m"}
     if "vault" in reached:
@@ -143,3 +194,12 @@ def test_every_module_is_loaded_by_a_fast_test() -> None:
         seen.add(module)
         todo += [m for m in imports(module, modules[module]) if m in modules]
     assert sorted(set(modules) - seen) == []
+
+
+def test_a_test_moved_out_of_the_fast_tier_no_longer_counts() -> None:
+    source = ROOT / "tests" / "scripts" / "test_fast_tier_covers_every_command_and_module.py"
+    kept = fast_code(source, {"test_every_command_is_run_by_a_fast_test"})
+    names = {getattr(node, "name", "") for node in kept.body}
+    assert "test_every_command_is_run_by_a_fast_test" in names
+    assert "test_every_module_is_loaded_by_a_fast_test" not in names
+    assert "fast_code" in names  # helpers stay: the fast tests use them

@@ -260,6 +260,7 @@ def test_open_session_sees_a_shorter_ttl_set_by_another_process(vault: Any, vaul
     asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["get_items", "add_items", "pop_item", "clear_session"])
 def test_session_opened_before_shred_fails_and_creates_no_file(
     vault: Any, vault_db: Path, call: str

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from vault.cli import admin, agent, care, data, history, keys, shell
+from vault.cli import admin, agent, care, data, history, keys, shell, status
 from vault.cli.common import State, common
 from vault.engines.sqlite.vault import lock_timeout
 from vault.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, VaultError
@@ -133,7 +133,7 @@ def main() -> None:
 
 
 # The one registration point: each command module's `COMMANDS`, in help order.
-COMMAND_MODULES = (history, data, care, admin, keys, agent, shell)
+COMMAND_MODULES = (status, history, data, care, admin, keys, agent, shell)
 for _module in COMMAND_MODULES:
     for _command in _module.COMMANDS:
         cli.add_command(_command)

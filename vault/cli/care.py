@@ -15,7 +15,6 @@ from vault.cli.common import (
     open_any,
     plural,
     postgres_url,
-    refuse_option,
     refuse_vault_target,
     say,
     state,
@@ -191,9 +190,16 @@ def restore_cmd(backup: str, yes: bool) -> None:
     vault got after the backup was made are gone once it is restored: export
     them first if you need them.
 
+    On a PostgreSQL vault (--db URL), BACKUP is a file `memvault backup` wrote
+    from it: its sessions and items replace the vault's in one transaction,
+    under the lock rotate takes (refused while a rotation is unfinished), and
+    the vault uses the backup's key again until the next rotate. A backup of
+    another vault is refused with exit 2.
+
     \b
     Exit codes:
       1  BACKUP is of another vault, does not verify, or the answer was no
+      2  BACKUP is of another vault than the PostgreSQL vault at --db
       3  no vault at BACKUP, or --db names a file that is not a vault
       4  the keyring cannot open every item of BACKUP
       5  the vault is in use by another process
@@ -203,15 +209,20 @@ def restore_cmd(backup: str, yes: bool) -> None:
       memvault restore ~/backups/history-2026-11-30.db
       memvault --db ~/work/history.db restore /media/usb/history.db --yes
     """
-    if postgres_url() is not None:
-        refuse_option(
-            "--db URL",
-            "restore",
-            "a PostgreSQL vault is restored with pg_restore; `restore` puts a file back",
-        )
-    from vault.engines.sqlite.restore import check, restore
+    from vault.engines.sqlite.restore import RestorePlan
 
-    plan = check(backup, state().db)
+    url = postgres_url()
+    if url is not None:
+        from vault.engines.postgres.restore import check as pg_check
+        from vault.engines.postgres.restore import restore as pg_restore
+        from vault.engines.postgres.vault import PgVault
+
+        pg = PgVault.open(url)
+        plan: RestorePlan = pg_check(pg, backup)
+    else:
+        from vault.engines.sqlite.restore import check, restore
+
+        plan = check(backup, state().db)
     if plan.replaces:
         confirm(
             f"Replace the vault at {plan.path} ({plural(plan.replaced_items or 0, 'item')}) with "
@@ -219,7 +230,7 @@ def restore_cmd(backup: str, yes: bool) -> None:
             f"{plan.backed_up_at or 'at an unknown time'})? Items written since are lost",
             yes,
         )
-    r = restore(plan)
+    r = pg_restore(pg, plan) if url is not None else restore(plan)
 
     def human() -> None:
         say(
@@ -227,9 +238,17 @@ def restore_cmd(backup: str, yes: bool) -> None:
             f"  {plural(r['items'], 'item')} in {plural(r['sessions'], 'session')}, key id "
             f"{r['kid']}; checked: {', '.join(r['checked'])}",
             "  the replaced vault was overwritten and deleted"
-            if r["replaces"]
+            if url is None and r["replaces"]
+            else "  its sessions and items were replaced in one transaction"
+            if url is not None
             else "  there was no vault at that path",
         )
+        if url is not None and r["replaced_kid"] != r["kid"]:
+            say(
+                f"  the vault uses the backup's key {r['kid']} again; the replaced key "
+                f"{r['replaced_kid']} is {r['old_key']}; `memvault rotate` moves every item "
+                "to a fresh key, and hosts without the backup's key need a recovery kit"
+            )
 
     emit(r, human)
 

@@ -6,8 +6,8 @@ same vault id, key id, meta, key journal and audit trail, into a file made
 FILE verify` / `show` open it with the same keyring entry, as they open a file
 vault's backup. The snapshot is one read-only REPEATABLE READ transaction, read
 in batches from a server-side cursor; the file is settled and checked as
-vault.engines.sqlite.backup settles its own copies. Not a restore path into PostgreSQL: that
-is pg_dump's job.
+vault.engines.sqlite.backup settles its own copies. `memvault --db URL restore
+FILE` puts it back (`restore` here).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vault.engines.postgres import rotate as pgrotate
 from vault.engines.postgres import schema as pgschema
 from vault.engines.sqlite import backup as file_backup
+from vault.engines.sqlite import filecopy
 from vault.engines.sqlite.db import connect, sqlite_errors
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
 from vault.errors import KeyRevoked, OperationFailed, VaultBusy
@@ -46,7 +47,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     rec, (kid, vault_id, sessions, items) = file_backup.recorded_copy(
         vault,
         target,
-        lambda rec, keep: file_backup.write_new_copy(
+        lambda rec, keep: filecopy.write_new_copy(
             target,
             lambda dest: _copy(vault, dest),
             file_backup.mark_as_backup(meta["vault_id"], rec.backup_id, str(vault.path)),
@@ -89,10 +90,17 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
 
 
 def _refuse(vault: PgVault, meta: dict[str, str]) -> None:
+    refuse_unsettled(vault, meta, "back up", "a backup could never be read")
+
+
+def refuse_unsettled(vault: PgVault, meta: dict[str, str], then: str, revoked: str) -> None:
+    """Refuse a vault that is revoked, half shredded or mid-rotation: backup and restore
+    need its rows under one key (`then` is what the user does after, `revoked` why a
+    revoked vault is refused)."""
     if "revoked_at" in meta:
         raise KeyRevoked(
-            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; a "
-            "backup could never be read; nothing was written"
+            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; "
+            f"{revoked}; nothing was written"
         )
     if "shred_started" in meta:
         raise OperationFailed(
@@ -101,10 +109,11 @@ def _refuse(vault: PgVault, meta: dict[str, str]) -> None:
         )
     if pgrotate.FROM in meta:
         # A file's guard admits only the current kid: rows still under the old key
-        # cannot enter the copy until the rotation has moved them.
+        # cannot enter the copy until the rotation has moved them; a restore's rows
+        # would meet a rotation that moves them from a key they do not use.
         raise VaultBusy(
             f"a key rotation of {vault.path} is under way (or was cut off); wait for it, or "
-            "run `memvault rotate` to finish it, then back up; nothing was written"
+            f"run `memvault rotate` to finish it, then {then}; nothing was written"
         )
 
 

@@ -15,7 +15,7 @@ from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.schema import audit, current_schema, record_key
 from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.errors import BadInput
-from vault.keyjournal import DESTROYED, RETAINED, entry_name
+from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED, entry_name
 
 RECORDS = "SELECT backup_id, path, kid, created_at FROM memvault_backups ORDER BY seq"
 
@@ -129,6 +129,29 @@ async def settle_old(conn: Any, vault_id: str, kid: str, delete: Any) -> str:
     async with conn.transaction():
         await record_key(conn, kid, DESTROYED)
     return DESTROYED
+
+
+async def settle_leftovers(conn: Any, vault_id: str, current: str, delete: Any) -> None:
+    """End the versions a cut-off rotation or restore left; the caller holds the admin lock.
+
+    Holding it proves no rotation is between its record and its end: a pending version
+    is a dead one (cut off before its switch), a retired one a key no row uses any more
+    (cut off after its end, before its entry went). A pending entry goes; a retired
+    one, or a retained one whose backups moved on, is judged by `settle_old`, as `tidy`
+    does for a file.
+    """
+    rows = await conn.fetch(
+        "SELECT kid, state FROM memvault_keys WHERE state = ANY($1)", [PENDING, RETIRED, RETAINED]
+    )
+    for kid, state in rows:
+        if kid == current:
+            continue
+        if state == PENDING:
+            delete(entry_name(vault_id, kid))
+            async with conn.transaction():
+                await record_key(conn, kid, DESTROYED)
+        else:
+            await settle_old(conn, vault_id, kid, delete)
 
 
 class PgKeptVersions(PgVaultBase):

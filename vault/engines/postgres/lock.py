@@ -1,6 +1,6 @@
 """The one advisory lock of a PostgreSQL vault's long admin operations.
 
-`rotate`, `purge`, `revoke` and `shred` each hold it for their whole run, on the
+`rotate`, `purge`, `restore`, `revoke` and `shred` each hold it for their whole run, on the
 connection they work on, so only one of them runs at a time across every host
 using the vault (one lock per schema: one vault per schema). A second one waits
 up to MEMVAULT_LOCK_TIMEOUT, then stops with exit 5, changing nothing. Agents and
@@ -23,7 +23,7 @@ from vault.engines.sqlite.db import lock_timeout
 from vault.errors import VaultBusy
 
 ADMIN_LOCK = "memvault-admin"
-OPERATIONS = "rotation, purge, revoke or shred"
+OPERATIONS = "rotation, purge, restore, revoke or shred"
 
 
 @asynccontextmanager

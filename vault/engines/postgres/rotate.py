@@ -40,15 +40,7 @@ from vault.engines.sqlite.lifecycle import refuse_revoked
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.errors import VaultBusy
 from vault.files import Progress
-from vault.keyjournal import (
-    CURRENT,
-    DESTROYED,
-    PENDING,
-    RETAINED,
-    RETIRED,
-    ROTATING_FROM,
-    entry_name,
-)
+from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
 from vault.keys import require_key
 from vault.results import Report
 
@@ -135,23 +127,7 @@ async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, cr
             require_key(ks.get(entry_name(vault_id, new_kid)), vault_id, new_kid, ks.name)
         )
         return old, new
-    # Holding the rotation lock proves no other rotation is between its record and its
-    # end: a pending version is a dead one (cut off before its switch), a retired one a key
-    # whose rows all moved (cut off after its end, before its entry went). No row uses
-    # either: a pending entry goes; a retired one, or a retained one whose backups moved
-    # on, is judged as a rotation's end judges it, as `tidy` does for a file.
-    rows = await conn.fetch(
-        "SELECT kid, state FROM memvault_keys WHERE state = ANY($1)", [PENDING, RETIRED, RETAINED]
-    )
-    for kid, state in rows:
-        if kid == meta["kid"]:
-            continue
-        if state == PENDING:
-            ks.delete(entry_name(vault_id, kid))
-            async with conn.transaction():
-                await record_key(conn, kid, DESTROYED)
-        else:
-            await pgkept.settle_old(conn, vault_id, kid, ks.delete)
+    await pgkept.settle_leftovers(conn, vault_id, meta["kid"], ks.delete)
     old = vault.sealer(refresh=True)
     new = crypto.Sealer(crypto.generate_key())
     async with conn.transaction():

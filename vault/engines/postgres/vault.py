@@ -5,9 +5,9 @@ envelope, kid and keyring entries (`<vault_id>/<kid>`, vault.keyjournal), the
 same meta, audit and key-journal rows (`schema` here). Supported so far: `init`,
 `status`, `sessions`, `show`, `clear`, `rotate` (online, `rotate`), `purge`, `pop`,
 `ttl`, `log`, `revoke`, `shred`, `key list/export/import` (`admin`), `export`,
-`search`, `verify` (`read`), `backup` (`backup`), `import` (`importer`) and agent
-sessions (`session`), the modules of this package named in brackets. Every other
-command refuses a URL in `paths.resolve_db_path`.
+`search`, `verify` (`read`), `backup` (`backup`), `restore` (`restore`),
+`import` (`importer`) and agent sessions (`session`), the modules of this package
+named in brackets. Every other command refuses a URL in `paths.resolve_db_path`.
 
 The library is synchronous, as `Vault` is; each operation opens one asyncpg
 connection and runs on an event loop of its own (engines.postgres.base, engines.postgres.conn).

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from vault import crypto, durations, files, keyjournal, paths, targets, testhooks
+from vault import crypto, durations, erase, files, keyjournal, paths, targets, testhooks
 from vault.engines.sqlite.db import VaultFile, audit
 from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import FORMAT, SQLITE_MAGIC, migrate, utcnow
@@ -58,7 +58,7 @@ def _looks_like_init(head: bytes) -> bool:
 def _destroy_with_side_files(tmp: Path) -> None:
     for p in paths.sidecars(tmp):
         with contextlib.suppress(OSError):
-            files.destroy(p)
+            erase.destroy(p)
 
 
 def reclaim_interrupted(folder: Path, target: Path, keystore: KeyStore | None) -> int:

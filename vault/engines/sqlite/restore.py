@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from vault import backupmark, files, keyjournal, paths, retention, targets, testhooks
-from vault.engines.sqlite.backup import vacuum_copy
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
     audit,
@@ -45,6 +44,7 @@ from vault.engines.sqlite.db import (
     set_meta,
     sqlite_errors,
 )
+from vault.engines.sqlite.filecopy import vacuum_copy
 from vault.engines.sqlite.restorestate import (
     destroy_with_sides,
     finish,

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from vault import files, paths
+from vault import erase, files, paths
 
 NEW_SUFFIX = ".restore-new"
 OLD_SUFFIX = ".restore-old"
@@ -64,7 +64,7 @@ def destroy_with_sides(path: Path) -> None:
     """Overwrite and unlink a file and its SQLite side files (never following a link)."""
     for p in reversed(paths.sidecars(path)):
         with contextlib.suppress(FileNotFoundError):
-            files.destroy(p)
+            erase.destroy(p)
 
 
 def finish(live: Path) -> str | None:

@@ -4,7 +4,7 @@ Works without the key (revoked, or the keyring entry gone) and on a file SQLite
 cannot read. What was destroyed is recorded in the file before the rows go and
 stamped at its start before the bytes go, so a shred killed half-way is finished
 by the next run with the same report. Files are overwritten and unlinked with
-the helpers of `vault.files`, which never follow a link nor open a FIFO.
+the helpers of `vault.erase` and `vault.files`, which never follow a link nor open a FIFO.
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sqlite3
 import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vault import backupmark, exportdirs, files, keyjournal, paths, testhooks
-from vault.engines.sqlite import restorestate
+from vault import backupmark, erase, exportdirs, files, keyjournal, paths, testhooks
+from vault.engines.sqlite import damaged, restorestate
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
     check_header,
@@ -48,90 +47,6 @@ from vault.keys import KeyStore
 
 class _Damaged(Exception):
     """SQLite cannot read the vault (damaged or truncated): shred it without SQLite."""
-
-
-_RAW_VAULT_ID = re.compile(rb"vault_id(mv-[0-9a-f]{24})")
-_RAW_KID = re.compile(rb"(mv1:[0-9a-f]{16})")
-_RAW_BACKUP_OF = re.compile(rb"backup_of(mv-[0-9a-f]{24})")
-# What a backup's shred says of the keys it leaves (vault.backupmark).
-KEYS_KEPT = (
-    "kept: this file was a backup of vault {}, whose key versions the live vault (and "
-    "its other backups) still use; `memvault revoke` or `shred` of the live vault destroys them"
-)
-
-
-def _raw_ids(path: Path) -> tuple[set[str], set[str], set[str]]:
-    """Vault ids, key ids and backup marks (the vault ids of `backup_of`) found in the
-    raw bytes of the file and its side files.
-
-    A `memvault_meta` row keeps its key and value side by side in a page, so the
-    vault id survives damage to other pages (page 1 included); every key id the
-    file ever recorded or stamped on an envelope is this file's.
-    """
-    ids: set[str] = set()
-    kids: set[str] = set()
-    backup_of: set[str] = set()
-    for p in paths.sidecars(path):
-        try:
-            if not stat.S_ISREG(os.lstat(p).st_mode):
-                continue
-            fd = os.open(p, os.O_RDONLY | files.NO_FOLLOW)
-        except OSError:
-            continue
-        with os.fdopen(fd, "rb") as fh:
-            tail = b""
-            while block := fh.read(1 << 22):
-                data = tail + block
-                ids.update(m.decode() for m in _RAW_VAULT_ID.findall(data))
-                kids.update(m.decode() for m in _RAW_KID.findall(data))
-                backup_of.update(m.decode() for m in _RAW_BACKUP_OF.findall(data))
-                tail = data[-64:]
-    return ids, kids, backup_of
-
-
-def _destroy_keys_of_damaged(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
-    """Destroy the keys a damaged file can still name; say so plainly when it names none."""
-    ids, kids, backup_of = _raw_ids(path)
-    if report.get("vault_id"):
-        ids.add(report["vault_id"])
-    if report.get("kid"):
-        kids.add(report["kid"])
-    report["damaged"] = True
-    report.setdefault("sessions", None)
-    report.setdefault("items", None)
-    if len(ids) != 1:
-        report.update(
-            vault_id=None,
-            kid=None,
-            key_destroyed=False,
-            destroyed_kids=[],
-            other_copies_kids=[],
-            foreign_kid=None,
-        )
-        report["key_problem"] = (
-            "the file is too damaged to name its vault id, so no keyring entry was destroyed; "
-            "if you know the vault id, delete the keyring entry (service `memvault`) yourself"
-        )
-        return
-    (vault_id,) = ids
-    report["vault_id"] = vault_id
-    if vault_id in backup_of:  # a damaged backup: its keys are still the live vault's
-        report.update(backup_of=vault_id, keys_kept=KEYS_KEPT.format(vault_id))
-        report.update(key_destroyed=False, destroyed_kids=[], other_copies_kids=[])
-        report.setdefault("kid", None)
-        report["foreign_kid"] = None
-        return
-    if not report.get("kid") and len(kids) == 1:
-        report["kid"] = next(iter(kids))
-    report.setdefault("kid", None)
-    ks = keystore or KeyStore()
-    ks.check_usable()
-    report.update(keyjournal.destroy_entries(ks, vault_id, kids, {report["kid"]} - {None}))
-    if report.get("foreign_kid"):
-        report["key_problem"] = (
-            f"the keyring entry of {vault_id} holds key {report['foreign_kid']}, which this file "
-            "never used (another copy's key?); it was left in place"
-        )
 
 
 # What a shred records before it destroys anything, so that a run cut off is finished
@@ -194,7 +109,7 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                 if backupmark.is_backup(meta) and report.get("key_destroyed") is None:
                     # A backup shares its key versions with the live vault: they stay.
                     of = meta[backupmark.BACKUP_OF]
-                    report.update(backup_of=of, keys_kept=KEYS_KEPT.format(of))
+                    report.update(backup_of=of, keys_kept=damaged.KEYS_KEPT.format(of))
                     report.update(key_destroyed=False, destroyed_kids=[], other_copies_kids=[])
                     report["foreign_kid"] = None
                 if report.get("key_destroyed") is None:
@@ -358,7 +273,7 @@ def shred(
             _shred_rows(path, keystore, report)
         except _Damaged:
             if report.get("key_destroyed") is None:
-                _destroy_keys_of_damaged(path, keystore, report)
+                damaged.destroy_keys(path, keystore, report)
         testhooks.failpoint("shred-after-rows")
     stamp_fields = (
         *("vault_id", "kid", "sessions", "items", "key_destroyed", "foreign_kid"),
@@ -373,10 +288,10 @@ def shred(
         # it last: a run cut off in between finds the stamp and finishes the side files.
         if on_total:
             on_total(sum(os.lstat(p).st_size for p, _ in regular_files(path)))
-        size = files.overwrite(path, stamp_bytes, progress)
+        size = erase.overwrite(path, stamp_bytes, progress)
         testhooks.failpoint("shred-during-overwrite")
         for p in paths.sidecars(path)[1:]:
-            entry = files.destroy(p, b"", progress)
+            entry = erase.destroy(p, b"", progress)
             if entry:
                 done.append(entry)
         os.unlink(path)
