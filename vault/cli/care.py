@@ -14,7 +14,6 @@ from vault.cli.common import (
     emit,
     open_any,
     plural,
-    postgres_url,
     refuse_vault_target,
     say,
     state,
@@ -209,20 +208,10 @@ def restore_cmd(backup: str, yes: bool) -> None:
       memvault restore ~/backups/history-2026-11-30.db
       memvault --db ~/work/history.db restore /media/usb/history.db --yes
     """
-    from vault.engines.sqlite.restore import RestorePlan
+    from vault.engines.registry import check_restore
 
-    url = postgres_url()
-    if url is not None:
-        from vault.engines.postgres.restore import check as pg_check
-        from vault.engines.postgres.restore import restore as pg_restore
-        from vault.engines.postgres.vault import PgVault
-
-        pg = PgVault.open(url)
-        plan: RestorePlan = pg_check(pg, backup)
-    else:
-        from vault.engines.sqlite.restore import check, restore
-
-        plan = check(backup, state().db)
+    todo = check_restore(state().db, backup)
+    plan = todo.plan
     if plan.replaces:
         confirm(
             f"Replace the vault at {plan.path} ({plural(plan.replaced_items or 0, 'item')}) with "
@@ -230,7 +219,7 @@ def restore_cmd(backup: str, yes: bool) -> None:
             f"{plan.backed_up_at or 'at an unknown time'})? Items written since are lost",
             yes,
         )
-    r = pg_restore(pg, plan) if url is not None else restore(plan)
+    r = todo.run()
 
     def human() -> None:
         say(
@@ -238,12 +227,12 @@ def restore_cmd(backup: str, yes: bool) -> None:
             f"  {plural(r['items'], 'item')} in {plural(r['sessions'], 'session')}, key id "
             f"{r['kid']}; checked: {', '.join(r['checked'])}",
             "  the replaced vault was overwritten and deleted"
-            if url is None and r["replaces"]
+            if not todo.in_place and r["replaces"]
             else "  its sessions and items were replaced in one transaction"
-            if url is not None
+            if todo.in_place
             else "  there was no vault at that path",
         )
-        if url is not None and r["replaced_kid"] != r["kid"]:
+        if todo.in_place and r["replaced_kid"] != r["kid"]:
             say(
                 f"  the vault uses the backup's key {r['kid']} again; the replaced key "
                 f"{r['replaced_kid']} is {r['old_key']}; `memvault rotate` moves every item "

@@ -20,8 +20,7 @@ from vault.textsafe import escape_line
 if TYPE_CHECKING:
     from click.shell_completion import CompletionItem
 
-    from vault.engines.postgres.vault import PgVault
-    from vault.engines.sqlite.vault import Vault
+    from vault.engine import AnyVault
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -194,11 +193,11 @@ def refuse_vault_target(path: str | None, why: str) -> None:
     refuse_vault_file(path, resolve_db_path(state().db), why)
 
 
-def open_any() -> Vault | PgVault:
+def open_any() -> AnyVault:
     """The vault --db names, a file or a PostgreSQL URL: one type whichever it is."""
     from vault.engines.registry import open_vault
 
-    return open_vault(state().db)  # type: ignore[return-value]  # until history.py takes AnyVault
+    return open_vault(state().db)
 
 
 def emit(data: Any, human: Callable[[], None]) -> None:

@@ -9,13 +9,16 @@ when a location names it: asyncpg and SQLAlchemy stay unloaded for a file.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from vault import paths
 from vault.engines.sqlite.schema import DEFAULT_TTL
 
 if TYPE_CHECKING:
     from vault.engine import AnyVault
+    from vault.engines.sqlite.restore import RestorePlan
     from vault.keys import KeyStore
     from vault.verify import VerifyReport
 
@@ -59,3 +62,34 @@ def verify_vault(db: Location) -> VerifyReport:
     from vault.engines.sqlite.vault import Vault
 
     return Vault.verify(db)
+
+
+@dataclass
+class Restore:
+    """A restore checked and planned (`plan`, for the question to ask); `run()` does it."""
+
+    plan: RestorePlan
+    run: Callable[[], dict[str, Any]]
+    # PostgreSQL replaces the vault's rows in one transaction; a file is replaced whole.
+    in_place: bool = False
+
+
+def check_restore(db: Location, backup: str) -> Restore:
+    """The restore of the backup file `backup` as the vault at `db`, checked first.
+
+    A file is restored by its path, where there may be no vault yet (engines.sqlite.restore);
+    a PostgreSQL vault is opened, and its rows replaced (engines.postgres.restore).
+    """
+    url = paths.postgres_url(db)
+    if url is not None:
+        from vault.engines.postgres.restore import check as pg_check
+        from vault.engines.postgres.restore import restore as pg_restore
+        from vault.engines.postgres.vault import PgVault
+
+        vault = PgVault.open(url)
+        pg_plan = pg_check(vault, backup)
+        return Restore(pg_plan, lambda: pg_restore(vault, pg_plan), in_place=True)
+    from vault.engines.sqlite.restore import check, restore
+
+    plan = check(backup, db)
+    return Restore(plan, lambda: restore(plan))
