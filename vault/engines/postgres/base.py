@@ -115,6 +115,15 @@ class PgVaultBase(MetaKeys):
         if not found:
             raise unknown_session(session_id, self.path)
 
+    def record(self, event: str, kid: str | None, **details: Any) -> None:
+        """Append one audit event in a transaction of its own."""
+
+        async def write(conn: Any) -> None:
+            await self.read_meta(conn)
+            await pgschema.audit(conn, event, kid, **details)
+
+        self.run(write, write=True)
+
     # -- meta and key ---------------------------------------------------
     def meta(self) -> dict[str, str]:
         return self.run(self.read_meta)

@@ -354,15 +354,6 @@ class PgVault(pgkept.PgKeptVersions):
             "kept_until_rotation_ends": pgadmin.kept_for_rotation(self),
         }
 
-    def record(self, event: str, kid: str | None, **details: Any) -> None:
-        """Append one audit event in a transaction of its own."""
-
-        async def write(conn: Any) -> None:
-            await self.read_meta(conn)
-            await audit(conn, event, kid, **details)
-
-        self.run(write, write=True)
-
     def importer(
         self,
         source: str,
