@@ -213,6 +213,10 @@ class Sealer:
         """The secret itself: only for handing to the SDK's EncryptedSession."""
         return self._master
 
+    def for_kid(self, kid: str | None) -> Sealer | None:
+        """The sealer that opens rows under `kid`: this one for its own kid, else None."""
+        return self if kid == self.kid else None
+
     def fernet(self, session_id: str) -> Fernet:
         f = self._fernets.get(session_id)
         if f is None:
@@ -296,6 +300,15 @@ class Sealer:
         if current + MAX_CLOCK_SKEW < ts:  # decrypt_at_time refuses tokens from the future
             return ItemState.UNREADABLE
         return ItemState.READABLE
+
+
+def kid_of(message_data: str) -> str | None:
+    """The key id an envelope names (unauthenticated), or None for a row that is none."""
+    split = split_envelope(message_data)
+    if split is not None:
+        return split[0]
+    env = parse_envelope(message_data)
+    return None if env is None else str(env["kid"])
 
 
 def rotate_row_stamped(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vault import backupmark, crypto
-from vault.errors import KeyMismatch, KeyProblem, KeyRevoked, VaultBusy, VaultError
+from vault.errors import KeyMismatch, KeyProblem, KeyRevoked, VaultError
 from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
 from vault.kit import KIT_VERSION, Kit, check_passphrase, load, seal
 from vault.kitfile import check_kit_target, write_kit_file
@@ -31,7 +31,8 @@ NEEDED_STATES = (CURRENT, PENDING, RETAINED)
 
 def needed_kids(vault: AnyVault, meta: dict[str, str]) -> set[str]:
     """The key versions this file needs: its own key, and those its journal keeps."""
-    kids = {meta["kid"]}
+    # While a rotation moves rows (under way, or cut off), the key it moves them from.
+    kids = {meta["kid"], meta.get(ROTATING_FROM, "")}
     with contextlib.suppress(VaultError):  # no usable keyring: the file's kid is enough
         kids |= {v.kid for v in vault.key_versions() if v.state in NEEDED_STATES}
     return {k for k in kids if crypto.looks_like_kid(k)}
@@ -48,12 +49,6 @@ def export_kit(
     check_passphrase(passphrase)
     sealer = vault.sealer()  # a working key, checked against the file
     meta = vault.meta()
-    if ROTATING_FROM in meta:
-        # The kit is made from one settled journal, not one a rotation is moving.
-        raise VaultBusy(
-            f"a key rotation of {vault.path} is under way (or was cut off); wait for it, or "
-            "run `memvault rotate` to finish it, then export the kit; nothing was written"
-        )
     check_kit_target(vault, path, force)
     vault_id = meta["vault_id"]
     others: dict[str, str] = {}

@@ -7,6 +7,7 @@ means it to), and on a pseudo-terminal at the passphrase, confirmation and chat 
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -32,7 +33,7 @@ from tests.conftest import (
     user,
 )
 
-ITEMS = 1500  # more than one batch of the rotation (1000 rows)
+ITEMS = 2500  # more than one batch of the rotation (2,000 rows)
 
 
 def fill(db: Path) -> None:
@@ -80,11 +81,11 @@ def interrupt(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_inside_the_rotation_commits_nothing(vault: Any, vault_db: Path) -> None:
+def test_ctrl_c_before_the_switch_commits_nothing(vault: Any, vault_db: Path) -> None:
     fill(vault_db)
     before_kid = vault.sealer().kid
     before_rows = rows(vault_db)
-    proc = rotate_until_paused("in-transaction")  # after the first batch was re-encrypted
+    proc = rotate_until_paused("after-pending")  # the new key stored, the switch not committed
     code, err = interrupt(proc)
     assert code == 130, err
     assert err.strip().splitlines()[-1] == (
@@ -98,6 +99,26 @@ def test_ctrl_c_inside_the_rotation_commits_nothing(vault: Any, vault_db: Path) 
     assert list(keyring_entries(fresh.vault_id)) == [key_entry(fresh)]  # the new key was dropped
     r = run_cli("show", "big", "--limit", "1")
     assert r.code == 0 and f"message {ITEMS - 1}" in r.out, r
+
+
+@pytest.mark.slow
+def test_ctrl_c_amid_the_batches_says_the_next_command_finishes(vault: Any, vault_db: Path) -> None:
+    fill(vault_db)
+    before_kid = vault.sealer().kid
+    proc = rotate_until_paused("after-batch")  # switched; the first batch of rows moved
+    code, err = interrupt(proc)
+    assert code == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("memvault: error: interrupted after the rotation committed"), err
+    assert "next memvault command finishes" in last and "Traceback" not in err
+    # Rows under both keys until then; the next command moves the rest and ends it.
+    r = run_cli("--json", "status")
+    assert r.code == 0, r
+    st = r.json()
+    assert st["kid"] != before_kid and st["items"] == ITEMS and not st["scrub_pending"]
+    assert authenticated_counts(vault_db) == (ITEMS, 0, 0)
+    assert {json.loads(data)["kid"] for data in rows(vault_db)} == {st["kid"]}
+    assert list(keyring_entries(vault.vault_id)) == [f"{vault.vault_id}/{st['kid']}"]
 
 
 @pytest.mark.slow

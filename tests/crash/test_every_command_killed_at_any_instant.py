@@ -225,7 +225,7 @@ def commands(img: Image) -> dict[str, Command]:
             failpoints=(
                 "after-record-pending",
                 "after-pending",
-                "in-transaction",
+                "after-batch",
                 "after-commit",
                 "after-retired-deleted",
                 "during-scrub",

@@ -36,7 +36,7 @@ KILLED = -signal.SIGKILL
 POINTS = [
     "after-record-pending",
     "after-pending",
-    "in-transaction",
+    "after-batch",
     "after-commit",
     "after-retained",
     "during-scrub",

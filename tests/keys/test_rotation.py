@@ -339,13 +339,17 @@ def test_cli_rotate_json_report(vault: Vault, vault_db: Path) -> None:
     assert crypto.key_id(vault_entries(vid)[entry_name(vid, doc["new_kid"])]) == doc["new_kid"]
 
 
-def test_rotation_is_one_transaction_with_synchronous_full(
+def test_rotation_writes_short_batches_under_the_lock_and_reads_them_outside_it(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every envelope and the kid change in one BEGIN IMMEDIATE ... COMMIT, synchronous=FULL."""
+    """The kid switches in a transaction of its own; then each batch of rows is read with
+    no write lock held and written in its own BEGIN IMMEDIATE ... COMMIT, synchronous=FULL,
+    each row only if it still holds the text that was read (a writer may have changed it)."""
     import vault.engines.sqlite.db as db
+    import vault.rotation as rotation
 
     populate(vault_db)
+    monkeypatch.setattr(rotation, "DEFAULT_BATCH", 4)
     traces: list[tuple[int, list[str]]] = []
     real_connect = db.connect
 
@@ -360,29 +364,40 @@ def test_rotation_is_one_transaction_with_synchronous_full(
     vault.rotate()
     monkeypatch.setattr(db, "connect", real_connect)
 
-    rewriting = [
-        (sync, log)
-        for sync, log in traces
-        if any(s.startswith("UPDATE agent_messages") for s in log)
-    ]
-    assert len(rewriting) == 1
-    sync, log = rewriting[0]
-    begin = log.index("BEGIN IMMEDIATE")
-    commit = log.index("COMMIT", begin)
-    writes = ("UPDATE agent_messages", "INSERT INTO memvault_meta")
-    changes = [i for i, s in enumerate(log) if s.startswith(writes)]
-    assert begin < min(changes) and max(changes) < commit
-    updated = {
-        int(log[i].rsplit("WHERE id = ", 1)[1]) for i in changes if log[i].startswith("UPDATE")
-    }
-    assert updated == {rid for rid, _, _ in rows(vault_db)}  # every item, in this transaction
-    assert any("'kid'" in log[i] for i in changes)  # the kid changes in it too
-    inside = log[begin + 1 : commit]
-    assert not [s for s in inside if s in ("COMMIT", "ROLLBACK") or s.startswith("BEGIN")]
-    assert not [s for s in inside if s.upper().startswith("PRAGMA SYNCHRONOUS")]
-    settings = [s.upper() for s in log[:begin] if s.upper().startswith("PRAGMA SYNCHRONOUS")]
-    effective = settings[-1].split("=")[-1].strip() if settings else {2: "FULL"}.get(sync, sync)
-    assert effective in ("FULL", "2", "EXTRA", "3"), (sync, settings)
+    def transactions(log: list[str]) -> list[list[str]]:
+        out, current = [], None
+        for s in log:
+            if s.startswith("BEGIN"):
+                current = [s]
+            elif current is not None:
+                current.append(s)
+                if s in ("COMMIT", "ROLLBACK"):
+                    out.append(current)
+                    current = None
+        return out
+
+    batches: list[list[str]] = []
+    switched = False
+    for sync, log in traces:
+        for tx in transactions(log):
+            updates = [s for s in tx if s.startswith("UPDATE agent_messages")]
+            if any("'rotating_from'" in s for s in tx) and any("'kid'" in s for s in tx):
+                assert not updates  # the switch moves no row
+                switched = True
+            if not updates:
+                continue
+            assert tx[0] == "BEGIN IMMEDIATE" and tx[-1] == "COMMIT", tx
+            # No row is read (nor re-encrypted) while the lock is held.
+            assert not [s for s in tx if "FROM agent_messages" in s and "SELECT" in s], tx
+            assert all("AND message_data = " in s for s in updates), updates
+            assert sync == 2 or any("SYNCHRONOUS = FULL" in s.upper() for s in log), sync
+            batches.append(updates)
+    assert switched
+    assert len(batches) >= 4, [len(b) for b in batches]  # 13 items, 4 a batch
+    ids = [{int(s.split("WHERE id = ", 1)[1].split()[0]) for s in b} for b in batches]
+    assert all(len(b) <= 4 for b in ids), ids
+    updated = [rid for b in ids for rid in b]
+    assert sorted(updated) == [rid for rid, _, _ in rows(vault_db)]  # each item once
 
 
 def test_cli_rotate_shows_a_progress_bar_on_a_terminal(vault: Vault, vault_db: Path) -> None:

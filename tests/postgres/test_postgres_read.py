@@ -263,7 +263,7 @@ def test_backup_of_a_url_is_a_vault_file_the_same_key_opens(
     assert not (tmp_path / "target.db").exists()
 
 
-def test_during_a_cut_off_rotation_reads_use_both_keys_and_backup_waits(
+def test_during_a_cut_off_rotation_reads_use_both_keys_and_backup_finishes_it(
     pg_vault: Any, pg_url: str, tmp_path: Path
 ) -> None:
     write_history(pg_vault, pg_url)
@@ -287,13 +287,17 @@ def test_during_a_cut_off_rotation_reads_use_both_keys_and_backup_waits(
     assert r.json()["rotation"]["from_kid"] in kids and r.json()["authenticated"] == 4
     assert "rotation   in progress" in run_cli("--db", pg_url, "verify").out
 
+    # A cut-off rotation blocks nothing: the backup finishes it, then copies one key.
+    new_kid = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'kid'")[0]["value"]
     dest = tmp_path / "copy.db"
-    r = run_cli("--db", pg_url, "backup", str(dest))
-    assert r.code == 5 and "memvault rotate" in r.err and r.err.count("\n") == 1, r
-    assert not dest.exists()
-    assert run_cli("--db", pg_url, "rotate").code == 0
-    assert run_cli("--db", pg_url, "backup", str(dest)).code == 0
+    r = run_cli("--db", pg_url, "--json", "backup", str(dest))
+    assert r.code == 0 and r.json()["kid"] == new_kid, r
+    assert not sql(pg_url, "SELECT 1 FROM memvault_meta WHERE key = 'rotating_from'")
     assert run_cli("--db", str(dest), "verify").code == 0
+    rows = sql(pg_url, "SELECT message_data FROM agent_messages")
+    assert {json.loads(r["message_data"])["kid"] for r in rows} == {new_kid}
+    # Finished, not a second rotation started: the key is the one the switch chose.
+    assert sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'kid'")[0]["value"] == new_kid
 
 
 def test_import_into_a_url_seals_verifies_and_keeps_order(

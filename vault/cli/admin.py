@@ -110,7 +110,11 @@ def rotate(yes: bool) -> None:
             f"in {c['seconds']}s\n"
             f"  key id  {c['old_kid']} -> {c['new_kid']}\n"
             f"  expired {c['expired']}, unreadable {c['unreadable']}\n"
-            f"  {c['kit_reminder']}" + note + _kept_note(c)
+            f"  {c['kit_reminder']}"
+            + note
+            + _kept_note(c)
+            # An online rotation under way (another host's) is joined, not started anew.
+            + ("\n  finished a rotation already under way" if c.get("resumed") else "")
         ),
     )
     check_scrub(report.scrubbed)

@@ -35,9 +35,14 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     The rows are copied as they are (ciphertext under the vault's key), with the
     same vault id, key id, meta, key journal and audit trail: `memvault --db DEST`
     opens the copy with the same keyring entry. Raises BadInput for an unusable
-    `dest`, KeyRevoked for a revoked vault, VaultBusy while a rotation is under way.
+    `dest`, KeyRevoked for a revoked vault, VaultBusy when a rotation began meanwhile
+    (one under way or cut off is finished first).
     """
     meta = vault.meta()
+    if pgrotate.FROM in meta and "revoked_at" not in meta:
+        # A cut-off rotation blocks nothing: it is finished (none started), one key copied.
+        vault.call(lambda: pgrotate.rotate(vault, None, pgrotate.DEFAULT_BATCH, resume_only=True))
+        meta = vault.meta()
     _refuse(vault, meta)
     target = file_backup.check_destination(dest, None)
     # Recorded in the vault first, and marked, as a file vault's backup is

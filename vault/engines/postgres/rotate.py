@@ -64,7 +64,10 @@ async def _set(conn: Any, **values: str) -> None:
     )
 
 
-async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Report:
+async def rotate(
+    vault: PgVault, progress: Progress | None, batch: int, resume_only: bool = False
+) -> Report | None:
+    """With `resume_only`, finish a rotation under way or cut off, and start none (None)."""
     started = time.monotonic()
     ks = vault.keystore
     ks.check_usable()
@@ -74,6 +77,8 @@ async def rotate(vault: PgVault, progress: Progress | None, batch: int) -> Repor
         await vault.read_meta(conn)  # no vault here: exit 3 before any lock
         assert schema is not None
         async with admin_lock(conn, schema, vault.path):
+            if resume_only and FROM not in await vault.read_meta(conn):
+                return None
             old, new = await _start_or_resume(vault, conn)
             try:
                 counts = await _batches(vault, conn, old, new, progress, batch)
@@ -203,13 +208,9 @@ async def _batches(
         testhooks.failpoint("pg-rotate-after-batch")
 
 
-def kid_of(message_data: str) -> str | None:
-    """The key id an envelope names (unauthenticated), or None for a row that is none."""
-    split = crypto.split_envelope(message_data)
-    if split is not None:
-        return split[0]
-    env = crypto.parse_envelope(message_data)
-    return None if env is None else str(env["kid"])
+# The key id an envelope names: one function for both engines (the file vault's online
+# rotation reads it too); kept under this name for the PostgreSQL modules.
+kid_of = crypto.kid_of
 
 
 async def _stragglers(conn: Any, old: crypto.Sealer, new: crypto.Sealer, batch: int) -> int:

@@ -314,6 +314,7 @@ class PgVault(pgkept.PgKeptVersions):
         rotation that was cut off."""
         self.sealer()  # the key errors (missing, revoked) before any change
         report = self.call(lambda: pgrotate.rotate(self, progress, batch))
+        assert report is not None  # None only when asked to resume alone
         report.notes["scrub"] = PG_ROTATE_NOTE
         return report
 

@@ -35,7 +35,7 @@ from vault.crypto import Sealer
 from vault.engines.sqlite.db import set_meta
 from vault.engines.sqlite.filecopy import Adjust, Copy, vacuum_copy
 from vault.errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
-from vault.keyjournal import DESTROYED, PENDING
+from vault.keyjournal import DESTROYED, PENDING, ROTATING_FROM
 
 if TYPE_CHECKING:
     # Not Vault: its `backup` imports this module (no import circle).
@@ -134,7 +134,7 @@ def backup(vault: KeyLifecycle, dest: str | os.PathLike[str]) -> BackupResult:
     Raises BadInput for an unusable `dest`, KeyRevoked for a revoked vault,
     OperationFailed when the copy cannot be written (the partial file is removed).
     """
-    meta = vault.meta()
+    meta = vault.settled_meta()  # a rotation under way or cut off is finished first
     refuse_unbackable(meta, vault.path, "a backup could never be read")
     target = check_destination(dest, vault.path)
     mark = functools.partial(mark_as_backup, meta["vault_id"], source=str(vault.path))
@@ -212,13 +212,12 @@ def recorded_backup(
 
 def mark_as_backup(vault_id: str, backup_id: str, source: str) -> Adjust:
     """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id` (at `source`).
-
-    The mark names the copy as the live vault's record names it. A pending version is
-    the live vault's rotation in flight: the copy's tidy-up on open would delete its
-    entry under that rotation's feet (pgbackup never copies one either).
-    """
+    A pending version's entry the copy's tidy-up would delete (pgbackup never copies one);
+    a copy amid a rotation's batches is refused: its record keeps one of its two keys."""
 
     def adjust(conn: sqlite3.Connection) -> None:
+        if conn.execute("SELECT 1 FROM memvault_meta WHERE key = ?", (ROTATING_FROM,)).fetchone():
+            raise VaultBusy("a key rotation began during the backup; run `memvault backup` again")
         conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
         set_meta(conn, **backupmark.new_mark(vault_id, backup_id, source))
 

@@ -7,10 +7,11 @@ finished from the file and keyring look-ups alone, by `tidy` on the next open.
 
 * open (`sealer`): the entry of the file's `kid`; then `tidy` if the journal
   holds a pending or retired version or 0.1.0 entry names to delete.
-* rotate: record N pending -> under the write lock, store N's entry, re-encrypt
-  every row, `kid` = N, old -> retired, N -> current, commit -> old -> retained
-  while a recorded backup uses it (vault.retention), else delete the old entry ->
-  old -> destroyed.
+* rotate (online, vault.engines.sqlite.filerotation): record N pending -> under the write lock,
+  store N's entry, `kid` = N, `rotating_from` = old, old -> retired, N -> current,
+  commit -> rows move in short batches (both keys read meanwhile) -> the marks go ->
+  old -> retained while a recorded backup uses it (vault.retention), else delete the
+  old entry -> old -> destroyed.
 * revoke: mark the file -> delete every recorded version's entry -> all destroyed.
 
 The transactions of a rotation open and commit by hand, not with
@@ -27,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vault import backupmark, crypto, keyjournal, retention, testhooks
-from vault.engines.sqlite import legacy
-from vault.engines.sqlite.db import audit, read_meta, row_batches, set_meta
+from vault import backupmark, crypto, keyjournal, retention, rotation, testhooks
+from vault.engines.sqlite import filerotation, legacy
+from vault.engines.sqlite.db import audit, read_meta, set_meta
 from vault.engines.sqlite.keptkeys import KeptVersions
 from vault.engines.sqlite.keptkeys import (
     refuse_revoked as refuse_revoked,  # re-exported: both engines refuse
@@ -37,10 +38,18 @@ from vault.engines.sqlite.keptkeys import (
 from vault.engines.sqlite.keptkeys import (
     with_backups as with_backups,  # re-exported: the engines' `key list`
 )
-from vault.engines.sqlite.schema import LEGACY_FORMAT, MESSAGES_TABLE, utcnow
+from vault.engines.sqlite.schema import LEGACY_FORMAT, utcnow
 from vault.errors import Interrupted, KeyProblem, VaultBusy
 from vault.files import Progress
-from vault.keyjournal import CURRENT, DESTROYED, PENDING, RETAINED, RETIRED, entry_name
+from vault.keyjournal import (
+    CURRENT,
+    DESTROYED,
+    PENDING,
+    RETAINED,
+    RETIRED,
+    ROTATING_FROM,
+    entry_name,
+)
 from vault.keys import KeyStore, require_key
 from vault.results import KeyVersionInfo, Report
 
@@ -64,7 +73,8 @@ class KeyLifecycle(KeptVersions):
     def _untidy(self, meta: dict[str, str], versions: list[keyjournal.KeyVersion]) -> bool:
         """Whether `tidy` has work: a crash's leftovers, or a retained version no
         recorded backup needs any more (its backup was recorded again under another)."""
-        if any(v.state in (PENDING, RETIRED) for v in versions):
+        moving = meta.get(ROTATING_FROM)  # retired, and still read: a rotation moves its rows
+        if any(v.state in (PENDING, RETIRED) and v.kid != moving for v in versions):
             return True
         if not any(v.state == RETAINED for v in versions):
             return False
@@ -98,13 +108,30 @@ class KeyLifecycle(KeptVersions):
                     key = require_key(key, vault_id, kid, ks.name)
             if key is None:
                 continue  # the file moved on while we looked: read it afresh
-            self._sealer = crypto.Sealer(key)
+            sealer = crypto.Sealer(key)
+            if ROTATING_FROM in meta:
+                # An online rotation moves rows from this key: both open until it ends.
+                old_kid = meta[ROTATING_FROM]
+                old = ks.get(entry_name(vault_id, old_kid))
+                if old is None and self.meta().get(ROTATING_FROM) != old_kid:
+                    continue  # it ended and dropped that entry meanwhile
+                old = require_key(old, vault_id, old_kid, ks.name)
+                sealer = rotation.RotatingSealer(key, crypto.Sealer(old))
+            self._sealer = sealer
             if (
                 meta["format"] == LEGACY_FORMAT
                 or keyjournal.LEGACY_MARK in meta
                 or self._untidy(meta, versions)
             ):
                 self.tidy()
+            if (
+                isinstance(sealer, rotation.RotatingSealer)
+                and not backupmark.is_backup(meta)
+                and filerotation.cut_off(meta)
+            ):
+                # Its process is gone: this command finishes it, as `rotate` would.
+                with contextlib.suppress(VaultBusy):
+                    self._finish_rotation(sealer.old, crypto.Sealer(key), None, True)
             return self._sealer
         raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
 
@@ -129,6 +156,8 @@ class KeyLifecycle(KeptVersions):
                 return
             recs = retention.records(conn)
             for v in keyjournal.versions(conn):
+                if v.kid == meta.get(ROTATING_FROM):
+                    continue  # retired, and still read: an online rotation moves its rows
                 if v.state in (PENDING, RETIRED, RETAINED) and v.kid != meta["kid"]:
                     if v.state != PENDING and retention.fate(v.kid, recs) == RETAINED:
                         if v.state == RETIRED:
@@ -187,7 +216,7 @@ class KeyLifecycle(KeptVersions):
         return self._sealer or sealer
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
-        """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it committed."""
+        """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it switched."""
         backupmark.refuse_writes(self, "`memvault rotate`")
         self._rotation_committed = False
         try:
@@ -199,33 +228,55 @@ class KeyLifecycle(KeptVersions):
                     "and nothing was changed"
                 ) from None
             raise Interrupted(
-                "interrupted after the rotation committed: every item is under the new key; "
-                "the next memvault command finishes it (deletes the old key, scrubs the old bytes)"
+                "interrupted after the rotation committed its switch to the new key (both "
+                "keys read meanwhile): the next memvault command finishes it (moves the rest, "
+                "deletes the old key, scrubs the old bytes)"
             ) from None
 
-    def _rotate(self, progress: Progress | None, scrub: bool) -> Report:
-        """New key; every envelope re-encrypted in one transaction; old bytes scrubbed.
+    def settled_meta(self) -> dict[str, str]:
+        """The meta once no rotation moves rows: one under way or cut off is joined and
+        finished first, so that a backup copies rows under one key. Without a usable
+        key, the meta as it is."""
+        meta = self.meta()
+        if ROTATING_FROM in meta and "revoked_at" not in meta and not backupmark.is_backup(meta):
+            with contextlib.suppress(KeyProblem):
+                sealer = self.sealer(refresh=True)  # finishes a cut-off one itself
+                if isinstance(sealer, rotation.RotatingSealer):
+                    self._finish_rotation(sealer.old, crypto.Sealer(sealer.master_key), None, True)
+            meta = self.meta()
+        return meta
 
-        The new version is recorded as pending (committed) before its entry is
-        stored; the entry is stored under the write lock that the re-encryption
-        then commits under. Another process's `tidy` may drop a pending version
-        between the two (it cannot tell ours from a dead one): we record again.
-        """
+    def _rotate(self, progress: Progress | None, scrub: bool) -> Report:
+        """New key, online: the switch, rows moved in short batches, the end
+        (vault.engines.sqlite.filerotation); a rotation under way or cut off is joined instead."""
         started = time.monotonic()
-        new = crypto.Sealer(crypto.generate_key())
-        for _attempt in range(5):
-            old = self.sealer(refresh=True)
-            with self.write_transaction() as conn:
-                refuse_revoked(read_meta(conn, self.path))
-                keyjournal.record(conn, new.kid, PENDING)
-            testhooks.failpoint("after-record-pending")
-            counts = self._reencrypt(old, new, progress)
-            if counts is not None:
-                break
-        else:
-            raise VaultBusy(f"{self.path} kept changing key during the rotation; try again")
+        old, new, resumed = filerotation.start(self)
+        self._rotation_committed = True
+        return self._finish_rotation(old, new, progress, scrub, started, resumed)
+
+    def _finish_rotation(
+        self,
+        old: crypto.Sealer,
+        new: crypto.Sealer,
+        progress: Progress | None,
+        scrub: bool,
+        started: float | None = None,
+        resumed: bool = True,
+    ) -> Report:
+        started = time.monotonic() if started is None else started
+        counts = filerotation.finish(self, old, new, progress)
+        return self._settle(old, new, {**counts, "resumed": resumed}, scrub, started)
+
+    def _settle(
+        self,
+        old: crypto.Sealer,
+        new: crypto.Sealer,
+        counts: dict[str, int | bool],
+        scrub: bool,
+        started: float,
+    ) -> Report:
+        """After the last row moved: the old version retained or destroyed, the scrub."""
         vault_id = self.vault_id
-        testhooks.failpoint("after-commit")
         with self.write_transaction() as conn:
             # Under the write lock: a backup records the kid it copies under that lock
             # too, so every backup of the old key is in `recs` (a later one uses the new).
@@ -257,83 +308,6 @@ class KeyLifecycle(KeptVersions):
             },
             scrubbed,
         )
-
-    def _reencrypt(
-        self, old: crypto.Sealer, new: crypto.Sealer, progress: Progress | None
-    ) -> dict[str, int] | None:
-        """Store the new entry and re-encrypt every row under the write lock, in one
-        transaction. None, changing nothing, when the file moved on since `old` was
-        loaded or our pending record was tidied away."""
-        ks = self.keystore
-        ttl = self.ttl
-        cutoff = None if ttl is None else int(time.time()) - ttl
-        items = expired = unreadable = 0
-        sessions: set[str] = set()
-        stored = committed = False
-        with self.connection() as conn:
-            conn.execute("PRAGMA synchronous = FULL")
-            conn.execute("BEGIN IMMEDIATE")
-            meta = read_meta(conn, self.path)
-            refuse_revoked(meta)
-            states = {v.kid: v.state for v in keyjournal.versions(conn)}
-            if meta["kid"] != old.kid or states.get(new.kid) != PENDING:
-                return None
-            vault_id = meta["vault_id"]
-            try:
-                ks.set(entry_name(vault_id, new.kid), new.master_key)
-                stored = True
-                testhooks.failpoint("after-pending")
-                set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
-                keyjournal.record(conn, old.kid, RETIRED)
-                keyjournal.record(conn, new.kid, CURRENT)
-                for batch in row_batches(conn):
-                    updates = []
-                    for row_id, sid, data in batch:
-                        sessions.add(sid)
-                        stamped = crypto.rotate_row_stamped(old, new, sid, data)
-                        if stamped is None:
-                            unreadable += 1  # kept as it is: nothing is deleted by a rotation
-                            continue
-                        rotated, ts = stamped  # ts from the token: no second parse of the row
-                        items += 1
-                        if cutoff is not None and ts < cutoff:
-                            expired += 1
-                        updates.append((rotated, row_id))
-                    conn.executemany(
-                        f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ?", updates
-                    )
-                    if progress:
-                        progress(len(batch))
-                    testhooks.failpoint("in-transaction")
-                audit(
-                    conn,
-                    "rotate",
-                    new.kid,
-                    old_kid=old.kid,
-                    items=items,
-                    expired=expired,
-                    unreadable=unreadable,
-                    sessions=len(sessions),
-                )
-                committed = True  # from here the outcome of a failure is unknown
-                conn.execute("COMMIT")
-                self._rotation_committed = True
-            finally:
-                if stored and not committed:
-                    # Still holding the lock and nothing committed: no row uses the new
-                    # key, so its entry goes (the journal's pending record is tidied by
-                    # the next open). After a failed COMMIT the entry stays for `tidy`
-                    # to judge against the file.
-                    with contextlib.suppress(Exception):
-                        conn.execute("ROLLBACK")
-                    with contextlib.suppress(Exception):
-                        ks.delete(entry_name(vault_id, new.kid))
-        return {
-            "sessions": len(sessions),
-            "items": items,
-            "expired": expired,
-            "unreadable": unreadable,
-        }
 
     def revoke(self) -> dict[str, Any]:
         """Destroy every key version the file records. The file stays, unreadable for ever.
