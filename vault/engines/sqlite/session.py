@@ -247,8 +247,7 @@ class VaultSession(EncryptedSession):
         underlying.on_change = self._on_change
 
     def _start(self, session_id: str, underlying: Any, sealer: Any, ttl: int | None) -> None:
-        """The SDK's EncryptedSession over `underlying`, keyed by the vault's current key
-        (both engines' sessions)."""
+        """EncryptedSession over `underlying` under the current key (both engines)."""
         EncryptedSession.__init__(
             self,
             session_id=session_id,
