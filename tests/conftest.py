@@ -55,6 +55,7 @@ _memory_dir: str | None = None
 
 
 POSTGRES_URL_VAR = "MEMVAULT_TEST_POSTGRES_URL"
+BAO_ADDR_VAR = "MEMVAULT_TEST_BAO_ADDR"
 
 
 def _refuse_postgres_run_without_a_server(config: pytest.Config) -> None:
@@ -68,9 +69,21 @@ def _refuse_postgres_run_without_a_server(config: pytest.Config) -> None:
         )
 
 
+def _refuse_openbao_run_without_a_server(config: pytest.Config) -> None:
+    """The same for `-m openbao`: every test would skip."""
+    marks = " ".join((config.getoption("markexpr", "") or "").split())
+    wants = "openbao" in marks.split() and "not openbao" not in marks
+    if wants and not os.environ.get(BAO_ADDR_VAR):
+        raise pytest.UsageError(
+            f"-m openbao needs an OpenBao server and {BAO_ADDR_VAR} is not set; "
+            "run: scripts/with-openbao scripts/test -m openbao"
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global _memory_dir
     _refuse_postgres_run_without_a_server(config)
+    _refuse_openbao_run_without_a_server(config)
     if in_private_keyring():
         backend = type(keyring.get_keyring())
         assert backend.__module__ == "keyring.backends.SecretService", backend

@@ -88,6 +88,16 @@ class KeyMismatch(KeyProblem):
     """The keyring holds a key, but not the one the vault was written with."""
 
 
+class KeySourceUnavailable(KeyProblem):
+    """A key service (OpenBao or Vault transit) cannot be reached or used: no address,
+    no client library, down, or not answering within the deadline."""
+
+
+class KeySourceDenied(KeyProblem):
+    """The key service refused: no token, a wrong or expired one, or one without the
+    permission the operation needs."""
+
+
 class VaultBusy(VaultError):
     """Another process holds the lock past the timeout (exit 5)."""
 

@@ -165,3 +165,23 @@ def test_file_vault_commands_do_not_import_the_postgres_driver(
     code, mods = probe(*args, watch=("agents", "sqlalchemy", "asyncpg"))
     assert code == 0
     assert mods == []
+
+
+@pytest.mark.parametrize("args", [["--help"], ["status"], ["key", "list"]])
+def test_commands_do_not_import_the_transit_client(
+    vault: Any, vault_db: Path, args: list[str]
+) -> None:
+    # hvac (and requests under it) load only when a transit key is used.
+    code, mods = probe(*args, watch=("hvac", "requests", "vault.keysource.transit"))
+    assert code == 0
+    assert mods == []
+    # Control: the probe sees them once the transit source is used.
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.format(args=["--help"], watch=["hvac"]).replace(
+            "runpy.run_module",
+            "from vault.keysource.transit import Transit; "
+            "Transit('k', addr='http://127.0.0.1:1')._hvac(); runpy.run_module",
+        )],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert "AGENTS-MODULES:hvac" in proc.stderr

@@ -1,6 +1,7 @@
 """`scripts/test` runs the fast tier; `scripts/test --all` runs every test, each once.
 
-The tiers are pytest's marks: the fast tier leaves out `slow`, `crash` and `postgres`;
+The tiers are pytest's marks: the fast tier leaves out `slow`, `crash`, `postgres` and
+`openbao`;
 --all runs the rest in parallel and then the slow tests and kill campaigns one at a
 time. Checked with --collect-only against pytest's own collection of the same marks.
 """
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow  # each run starts private keyrings and collects e
 
 
 def env() -> dict[str, str]:
-    drop = ("MEMVAULT_IN_PRIVATE_KEYRING", "MEMVAULT_TEST_POSTGRES_URL")
+    drop = ("MEMVAULT_IN_PRIVATE_KEYRING", "MEMVAULT_TEST_POSTGRES_URL", "MEMVAULT_TEST_BAO_ADDR")
     return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PYTEST")}
 
 
@@ -49,17 +50,22 @@ def pytest_collects(marks: str | None) -> list[str]:
 
 def test_scripts_test_runs_the_fast_tier_only() -> None:
     fast = collected()
-    assert sorted(fast) == sorted(pytest_collects("not slow and not crash and not postgres"))
+    assert sorted(fast) == sorted(
+        pytest_collects("not slow and not crash and not postgres and not openbao")
+    )
     # Spelt as the fast tier's complement: `-m "... or postgres"` without a server is
     # refused (conftest), and no server is needed to collect.
-    left_out = pytest_collects("not (not slow and not crash and not postgres)")
+    left_out = pytest_collects("not (not slow and not crash and not postgres and not openbao)")
     assert left_out and not set(left_out) & set(fast)
     assert sorted(fast + left_out) == sorted(pytest_collects(None))
 
 
 def test_scripts_test_all_runs_every_test_once() -> None:
-    # A URL set: scripts/test --all then skips starting a server (nothing connects here).
-    url = {"MEMVAULT_TEST_POSTGRES_URL": "postgresql+asyncpg://u:p@127.0.0.1:9/none"}
+    # URLs set: scripts/test --all then skips starting servers (nothing connects here).
+    url = {
+        "MEMVAULT_TEST_POSTGRES_URL": "postgresql+asyncpg://u:p@127.0.0.1:9/none",
+        "MEMVAULT_TEST_BAO_ADDR": "http://127.0.0.1:9",
+    }
     everything = collected("--all", extra=url)
     assert sorted(everything) == sorted(pytest_collects(None))
 
