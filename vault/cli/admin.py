@@ -228,7 +228,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
 
 
 def _shred_postgres(yes: bool, receipt: str | None) -> None:
-    """`shred` on a URL: key, rows, tables; no files to overwrite (engines.postgres.admin.shred)."""
+    """`shred` on a URL: key, rows, tables; no files to overwrite (engines.postgres.shred)."""
     from vault.targets import check_target
 
     vault = open_any()  # no vault: exit 3 before anyone is asked

@@ -1,4 +1,5 @@
-"""A PostgreSQL vault's admin operations: purge, pop, ttl, revoke, shred, key versions.
+"""A PostgreSQL vault's admin operations: purge, pop, ttl, revoke, key versions (shred:
+vault.engines.postgres.shred, on the helpers here).
 
 The same meaning, results and exit codes as a file vault's (vault.engines.sqlite.vault,
 vault.engines.sqlite.lifecycle, vault.engines.sqlite.shred); `PgVault` delegates here. What differs:
@@ -9,10 +10,6 @@ vault.engines.sqlite.lifecycle, vault.engines.sqlite.shred); `PgVault` delegates
   rows memvault runs VACUUM on the tables, so the server may reuse their space;
   it cannot overwrite pages, WAL segments, archives, replicas or backups. Destroying
   the key is the guarantee; deleting the rows is best effort (SECURITY.md).
-* `shred` has no files to overwrite: it destroys every recorded key version's
-  keyring entry, deletes the rows, VACUUMs, then drops the vault's tables, and the
-  URL's `?schema=` if `memvault init` created it and nothing else is left in it.
-  A shred cut off at any step is finished by the next one, with the same report.
 * Revoke and shred destroy the entries of this host's keyring only: every other
   host runs `memvault revoke` too (docs/postgres.md, "Several hosts").
 """
