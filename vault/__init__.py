@@ -55,17 +55,11 @@ def open_session(
     `session_settings` (e.g. `SessionSettings(limit=20)`) is passed to the
     `SQLiteSession` underneath, as `SQLiteSession(..., session_settings=...)` takes it.
     """
-    from vault.paths import postgres_url
+    from vault.engines.registry import open_vault
 
-    where = postgres_url(db_path)
-    if where is not None:
-        # A PostgreSQL vault (preview): the same EncryptedSession, over SQLAlchemySession.
-        from vault.engines.postgres.vault import PgVault
-
-        session: VaultSession = PgVault.open(where).session(
-            session_id, session_settings=session_settings
-        )
-        return session
-    from vault.engines.sqlite.session import VaultSession
-
-    return VaultSession(Vault.open(db_path), session_id, session_settings=session_settings)
+    # A file, or a PostgreSQL vault (preview): the same EncryptedSession, over the SDK's
+    # SQLiteSession or SQLAlchemySession.
+    session: VaultSession = open_vault(db_path).session(
+        session_id, session_settings=session_settings
+    )
+    return session

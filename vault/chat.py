@@ -32,8 +32,8 @@ from typing import Any, TextIO
 from agents import Agent, Model, RunConfig, Runner
 from openai.types.responses import ResponseTextDeltaEvent
 
-from vault import backupmark, paths, testhooks
-from vault.engines.sqlite.vault import Vault
+from vault import backupmark, testhooks
+from vault.engine import AnyVault
 from vault.errors import BadInput, KeyProblem, UnknownSession, VaultError
 from vault.textsafe import escape_line, escape_text
 
@@ -85,7 +85,7 @@ class Chat:
 
     def __init__(
         self,
-        vault: Vault,
+        vault: AnyVault,
         session_id: str,
         model: Model | str | None,
         out: TextIO = sys.stdout,
@@ -233,16 +233,9 @@ def run_chat(db: str | None, session_id: str, model_name: str | None) -> int:
     if not session_id.strip():
         raise BadInput("the session id is empty")
     model = require_model(model_name)
-    where = paths.postgres_url(db)
-    vault: Any
-    if where is not None:
-        from vault.engines.postgres.vault import (
-            PgVault,  # the same session, over the SDK's SQLAlchemySession
-        )
+    from vault.engines.registry import open_vault
 
-        vault = PgVault.open(where)
-    else:
-        vault = Vault.open(paths.resolve_db_path(db))
+    vault = open_vault(db)  # a file, or PostgreSQL: the same session over either
     backupmark.refuse_writes(vault, "`memvault chat`")  # before a turn is typed, not after
     vault.sealer()  # the key is checked before the first prompt
     return asyncio.run(Chat(vault, session_id, model).run())

@@ -21,10 +21,11 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
-from vault import backupmark, crypto, exportdirs, files, targets
+from vault import backupmark, exportdirs, files, targets
 from vault.crypto import ItemState
+from vault.engine import AnyVault
 from vault.errors import BadInput, OperationFailed, UnknownSession, VaultError
 from vault.exportdirs import MD_TITLE, TEMP_TAG
 from vault.exportdirs import remove_stale_exports as remove_stale_exports  # re-exported
@@ -124,29 +125,8 @@ def iso_time(timestamp: int | None) -> str | None:
 # --------------------------------------------------------------------------
 # Which sessions
 # --------------------------------------------------------------------------
-class ItemSource(Protocol):
-    """What export and search read: a vault in a file (`Vault`) or in PostgreSQL (`PgVault`)."""
-
-    @property
-    def path(self) -> str | os.PathLike[str]: ...
-
-    def sealer(self, refresh: bool = False) -> crypto.Sealer: ...
-
-    def session_ids(self) -> list[str]: ...
-
-    def meta(self) -> dict[str, str]: ...
-
-    def audit_log(self) -> list[dict[str, Any]]: ...
-
-    def record(self, event: str, kid: str | None, **details: Any) -> None: ...
-
-    def opened_items(
-        self,
-        session_id: str,
-        limit: int | None = None,
-        now: int | None = None,
-        include_expired: bool = False,
-    ) -> Iterator[crypto.Opened]: ...
+# What export and search read: a vault in either engine (vault.engine.AnyVault).
+ItemSource = AnyVault
 
 
 def select_sessions(

@@ -9,6 +9,7 @@ shredding.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import urllib.parse
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vault import crypto
 from vault.engines.sqlite.db import error_name, is_busy, keep_temp_in_memory
 from vault.engines.sqlite.schema import MESSAGES_TABLE
 from vault.errors import OperationFailed, VaultBusy
@@ -269,3 +271,35 @@ def find_pair(
             "--sessions-table and --messages-table; nothing was imported"
         )
     return pairs[0]
+
+
+class ReadBack:
+    """A session's rows read back inside its transaction, one at a time: `done` raises
+    OperationFailed (the transaction is rolled back) unless the vault holds the same
+    count, items and order as the source."""
+
+    def __init__(self, sid: str, sealer: crypto.Sealer) -> None:
+        self.sid, self.sealer = sid, sealer
+        self.digest = hashlib.sha256()
+        self.stored = 0
+
+    def add(self, data: str) -> bool:
+        """False at the first row that does not open: the check fails."""
+        opened = self.sealer.open(self.sid, data, None)
+        if opened.state is not crypto.ItemState.READABLE:
+            return False
+        digest_update(self.digest, opened.item)
+        self.stored += 1
+        return True
+
+    def done(self, s: SourceSession, count: int, source_digest: Any, part: int) -> None:
+        if (
+            self.stored != count
+            or count != s.items
+            or self.digest.digest() != source_digest.digest()
+        ):
+            raise OperationFailed(
+                f"verification of session {self.sid!r} failed ({count} item(s) read from the "
+                f"source, {s.items} expected, {self.stored} readable in the vault); it was "
+                f"rolled back and not imported ({part - 1} session(s) before it were)"
+            )

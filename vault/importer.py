@@ -33,20 +33,26 @@ import contextlib
 import hashlib
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vault import backupmark, crypto, files, paths, source_shred, targets, testhooks
 from vault.engines.sqlite.db import audit
-from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC, utcnow
-from vault.engines.sqlite.vault import Vault
+from vault.engines.sqlite.schema import (
+    MESSAGES_TABLE,
+    SESSIONS_TABLE,
+    SQLITE_MAGIC,
+    session_exists_sql,
+    utcnow,
+)
 from vault.errors import BadInput, OperationFailed, UnknownSession
 from vault.files import Progress
 from vault.import_source import (
     INTERNAL_TABLES,
     NotUTF8,
     Plan,
+    ReadBack,
     SourceSession,
     decode_row,
     digest_update,
@@ -58,7 +64,8 @@ from vault.import_source import (
 )
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+    from vault.engine import AnyVault
+    from vault.engines.sqlite.lifecycle import KeyLifecycle
 
 BATCH = 500
 
@@ -73,7 +80,7 @@ class Importer:
 
     def __init__(
         self,
-        vault: Vault | PgVault,
+        vault: AnyVault,
         source: str | Path,
         session_id: str | None = None,
         sessions_table: str | None = None,
@@ -301,6 +308,44 @@ class Importer:
             (s.session_id,),
         )
 
+    # -- what both engines' imports do with each session ------------------
+    def _appeared(self, sid: str, part: int) -> OperationFailed:
+        return OperationFailed(
+            f"session {sid!r} appeared in the vault during the import; it was not "
+            f"imported ({part - 1} session(s) before it were)"
+        )
+
+    def _seal_batch(
+        self,
+        sid: str,
+        batch: list[Any],
+        sealer: crypto.Sealer,
+        digest: Any,
+        when: Callable[[Any], Any] = lambda created: created,
+    ) -> list[tuple[str, str, Any]]:
+        """A batch of source rows decoded, digested in order and sealed: (sid, envelope,
+        `when(created_at)`) for the engine to insert."""
+        sealed = []
+        for row_id, data, created in batch:
+            item = self._decode(self.plan, sid, row_id, data)
+            digest_update(digest, item)
+            sealed.append((sid, sealer.seal(sid, item), when(created)))
+        return sealed
+
+    def _audited(self, sid: str, count: int, part: int, parts: int) -> dict[str, Any]:
+        """The details of a session's `import` audit event (the marks a rerun resumes by)."""
+        return {"items": count, "part": part, "parts": parts, **self.resume.marks(sid)}
+
+    def _inserted(self, n: int, progress: Progress | None) -> int:
+        """A batch of `n` rows is in (not committed yet): the progress bar moves on."""
+        if progress:
+            progress(n)
+        testhooks.failpoint("import-in-transaction")
+        return n
+
+    def _read_back(self, sid: str, sealer: crypto.Sealer) -> ReadBack:
+        return ReadBack(sid, sealer)
+
     def _import_session(
         self,
         s: SourceSession,
@@ -309,76 +354,38 @@ class Importer:
         parts: int,
         progress: Progress | None,
     ) -> int:
-        vault = self.vault
-        assert isinstance(vault, Vault)  # a PostgreSQL vault's importer writes its own way
-        plan = self.plan
+        """One session into a vault file, in one transaction (PgImporter's is PostgreSQL's)."""
+        vault = cast("KeyLifecycle", self.vault)
         sid = s.session_id
         source_digest = hashlib.sha256()
         count = 0
         with vault.write_transaction() as conn:
             sealer = vault.check_kid(conn, sealer)
             if conn.execute(
-                f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = ? UNION ALL "
-                f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = ? LIMIT 1",
+                session_exists_sql("?"),
                 (sid, sid),
             ).fetchone():
-                raise OperationFailed(
-                    f"session {sid!r} appeared in the vault during the import; it was not "
-                    f"imported ({part - 1} session(s) before it were)"
-                )
+                raise self._appeared(sid, part)
             conn.execute(
                 f"INSERT INTO {SESSIONS_TABLE} (session_id, created_at, updated_at) "
                 "VALUES (?, coalesce(?, CURRENT_TIMESTAMP), coalesce(?, CURRENT_TIMESTAMP))",
                 (sid, s.created_at, s.updated_at),
             )
             rows = self._source_rows(s)
-            while True:
-                batch = rows.fetchmany(BATCH)
-                if not batch:
-                    break
-                sealed = []
-                for row_id, data, created in batch:
-                    item = self._decode(plan, sid, row_id, data)
-                    digest_update(source_digest, item)
-                    sealed.append((sid, sealer.seal(sid, item), created))
+            while batch := rows.fetchmany(BATCH):
                 conn.executemany(
                     f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
                     "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP))",
-                    sealed,
+                    self._seal_batch(sid, batch, sealer, source_digest),
                 )
-                count += len(batch)
-                if progress:
-                    progress(len(batch))
-                testhooks.failpoint("import-in-transaction")
-            # Read back, inside the transaction: same count, same items, same order.
-            vault_digest = hashlib.sha256()
-            stored = 0
+                count += self._inserted(len(batch), progress)
+            check = self._read_back(sid, sealer)
             for (data,) in conn.execute(
                 f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id",
                 (sid,),
             ):
-                opened = sealer.open(sid, data, None)
-                if opened.state is not crypto.ItemState.READABLE:
+                if not check.add(data):
                     break
-                digest_update(vault_digest, opened.item)
-                stored += 1
-            if (
-                stored != count
-                or count != s.items
-                or (vault_digest.digest() != source_digest.digest())
-            ):
-                raise OperationFailed(
-                    f"verification of session {sid!r} failed ({count} item(s) read from the "
-                    f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
-                    f"back and not imported ({part - 1} session(s) before it were)"
-                )
-            audit(
-                conn,
-                "import",
-                sealer.kid,
-                items=count,
-                part=part,
-                parts=parts,
-                **self.resume.marks(sid),
-            )
+            check.done(s, count, source_digest, part)
+            audit(conn, "import", sealer.kid, **self._audited(sid, count, part, parts))
         return count

@@ -17,8 +17,7 @@ from vault import files, targets
 from vault.errors import BadInput, OperationFailed
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
-    from vault.engines.sqlite.vault import Vault
+    from vault.engine import AnyVault
 
 KIT_FORMAT = "memvault-recovery-kit"
 
@@ -46,9 +45,7 @@ def write_kit_file(path: str | os.PathLike[str], text: str, force: bool = False)
         ) from None
 
 
-def check_kit_target(
-    vault: Vault | PgVault, path: str | os.PathLike[str], force: bool = False
-) -> Path:
+def check_kit_target(vault: AnyVault, path: str | os.PathLike[str], force: bool = False) -> Path:
     """Refuse (exit 2) a kit path that is the vault or a database, or, with `force`, an
     existing file that is not a recovery kit of this vault. Asked before the passphrase."""
     vault_id = vault.vault_id

@@ -16,21 +16,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vault import backupmark, crypto
-from vault.engines.sqlite.vault import Vault
 from vault.errors import KeyMismatch, KeyProblem, KeyRevoked, VaultError
 from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
 from vault.kit import KIT_VERSION, Kit, check_passphrase, load, seal
 from vault.kitfile import check_kit_target, write_kit_file
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+    from vault.engine import AnyVault
 
 # The journal states whose keys a kit carries: the journal's `retained` state keeps a
 # version decrypt-only for recorded backups.
 NEEDED_STATES = (CURRENT, PENDING, RETAINED)
 
 
-def needed_kids(vault: Vault | PgVault, meta: dict[str, str]) -> set[str]:
+def needed_kids(vault: AnyVault, meta: dict[str, str]) -> set[str]:
     """The key versions this file needs: its own key, and those its journal keeps."""
     # While a rotation moves rows (under way, or cut off), the key it moves them from.
     kids = {meta["kid"], meta.get(ROTATING_FROM, "")}
@@ -40,7 +39,7 @@ def needed_kids(vault: Vault | PgVault, meta: dict[str, str]) -> set[str]:
 
 
 def export_kit(
-    vault: Vault | PgVault,
+    vault: AnyVault,
     path: str | os.PathLike[str],
     passphrase: str,
     force: bool = False,
@@ -76,7 +75,7 @@ def export_kit(
     }
 
 
-def check_kit_fits(vault: Vault | PgVault, kit: Kit, path: Path) -> dict[str, str]:
+def check_kit_fits(vault: AnyVault, kit: Kit, path: Path) -> dict[str, str]:
     """Refuse, naming the ids, a kit from another vault or without the file's key."""
     meta = vault.meta()
     if kit.vault_id != meta["vault_id"]:
@@ -100,7 +99,7 @@ def check_kit_fits(vault: Vault | PgVault, kit: Kit, path: Path) -> dict[str, st
 
 
 def import_kit(
-    vault: Vault | PgVault,
+    vault: AnyVault,
     path: str | os.PathLike[str],
     passphrase: str | Callable[[], str],
     confirm_replace: Callable[[str], None] | None = None,

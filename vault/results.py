@@ -34,6 +34,8 @@ class Report:
 
     counts: dict[str, Any] = field(default_factory=dict)
     scrubbed: bool = True
+    # What the engine adds to the command's report (PostgreSQL: what became of the old rows).
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Popped:
 
     items: list[Any]
     scrubbed: bool
+    note: str | None = None  # what the engine adds about the removed rows (PostgreSQL)
 
 
 @dataclass
@@ -51,3 +54,15 @@ class Cleared:
     deleted: int
     unreadable_deleted: int
     scrubbed: bool
+    note: str | None = None  # what the engine adds about the removed rows (PostgreSQL)
+
+
+@dataclass(frozen=True)
+class KeyVersionInfo:
+    """One line of `memvault key list`: never the key itself."""
+
+    kid: str
+    state: str
+    in_keyring: bool
+    created_at: str | None
+    backups: tuple[dict[str, Any], ...] = ()  # the recorded backups that use it

@@ -37,8 +37,7 @@ from vault.errors import OperationFailed
 from vault.import_source import Plan, SourceSession, digest_update, quote_name
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
-    from vault.engines.sqlite.vault import Vault
+    from vault.engine import AnyVault
     from vault.export import ItemSource
 
 SOURCE_EVENT = "source-shred"
@@ -62,7 +61,7 @@ class Interrupted:
     shred_source: bool
 
     @classmethod
-    def of(cls, vault: Vault | PgVault, source: Path, shred_source: bool) -> Interrupted:
+    def of(cls, vault: AnyVault, source: Path, shred_source: bool) -> Interrupted:
         mark = source_mark(source)
         return cls(mark, pending(vault.audit_log(), mark) if shred_source else {}, shred_source)
 

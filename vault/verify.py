@@ -30,8 +30,8 @@ from vault.engines.sqlite.db import (
     parse_ttl,
     refuse_odd_side_files,
 )
+from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
-from vault.engines.sqlite.vault import Vault
 from vault.errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
 from vault.keys import KeyStore
 
@@ -162,7 +162,7 @@ def verify(
     check_header(path)  # exit 3 for nothing or not SQLite; a truncated file is VaultCorrupt
     refuse_odd_side_files(path)
     # Not Vault.open: that would migrate and scrub, and verify reports instead of fixing.
-    vault = Vault(path, keystore)
+    vault = KeyLifecycle(path, keystore)
     for _attempt in range(50):
         report = VerifyReport(str(path))
         sealer = report.load_keys(lambda: vault.sealer(refresh=True))
@@ -234,7 +234,12 @@ def _schema(conn: sqlite3.Connection, report: VerifyReport) -> None:
         report.add("schema", "table memvault_migrations is missing (a vault before migrations?)")
         return
     done = {r[0] for r in conn.execute("SELECT name FROM memvault_migrations")}
-    known = [fn.__name__ for fn in MIGRATIONS]
+    check_migrations(done, [fn.__name__ for fn in MIGRATIONS], report)
+
+
+def check_migrations(done: set[str], known: list[str], report: VerifyReport) -> None:
+    """Every migration this memvault knows is applied, and none it does not know (both
+    engines' `verify`)."""
     for name in known:
         if name not in done:
             report.add("schema", f"migration {name} is not applied")

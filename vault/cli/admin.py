@@ -50,14 +50,9 @@ def purge(yes: bool) -> None:
             )
     with progress(vault.count_items(), "purging") as bar:
         report = vault.purge(progress=bar)
-    doc = {**report.counts, "scrubbed": report.scrubbed}
-    note = ""
-    if _on_postgres(vault):
-        from vault.engines.postgres.admin import PG_PURGE_NOTE
-
-        deleted = report.counts["deleted"]
-        doc["scrub"] = PG_PURGE_NOTE if deleted else "nothing deleted: no VACUUM was needed"
-        note = f"\nscrub: {PG_PURGE_NOTE}" if deleted else ""
+    doc = {**report.counts, **report.notes, "scrubbed": report.scrubbed}
+    # An engine whose scrub is not memvault's to do (PostgreSQL) says what became of the rows.
+    note = f"\nscrub: {doc['scrub']}" if "scrub" in doc and doc["deleted"] else ""
     emit(
         doc,
         lambda: click.echo(
@@ -86,10 +81,6 @@ def _kept_note(c: dict[str, Any]) -> str:
     return head + "".join("\n" + line for line in lines)
 
 
-def _on_postgres(vault: Any) -> bool:
-    return getattr(vault, "backend", None) == "postgresql"
-
-
 @click.command()
 # Accepted as on every command that can ask, so that scripts pass it without
 # knowing which ones ask today.
@@ -108,15 +99,10 @@ def rotate(yes: bool) -> None:
     vault.sealer()
     with progress(vault.count_items(), "rotating") as bar:
         report = vault.rotate(progress=bar)
-    c = report.counts
+    c = {**report.counts, **report.notes}
     # Its own field: a kit made before this rotation lacks the new key.
     c["kit_reminder"] = "older recovery kits no longer match: run `memvault key export` again"
-    note = ""
-    if _on_postgres(vault):
-        from vault.engines.postgres.vault import PG_ROTATE_NOTE
-
-        c["scrub"] = PG_ROTATE_NOTE
-        note = f"\n  scrub   {PG_ROTATE_NOTE}"
+    note = f"\n  scrub   {c['scrub']}" if "scrub" in c else ""
     emit(
         c,
         lambda: click.echo(
@@ -154,16 +140,9 @@ def revoke(yes: bool) -> None:
         yes,
     )
     r = vault.revoke()
-    # On PostgreSQL the rows stay in the server, and other hosts keep their own keyrings.
-    where = "rows stay" if _on_postgres(vault) else "file stays"
-    removes = "them" if _on_postgres(vault) else "it"
-    hosts = ""
-    if _on_postgres(vault):
-        r["other_hosts"] = (
-            "only this host's keyring entries were destroyed: run `memvault revoke --yes` "
-            "on every other host that holds the key"
-        )
-        hosts = f"; {r['other_hosts']}"
+    stays = vault.stays  # "file" or "rows"
+    where, removes = ("file stays", "it") if stays == "file" else (f"{stays} stay", "them")
+    hosts = f"; {r['other_hosts']}" if "other_hosts" in r else ""
 
     def human() -> None:
         if r["already_revoked"]:
@@ -174,7 +153,7 @@ def revoke(yes: bool) -> None:
                 finished = f"; this keyring still held its key: destroyed it ({_kids(r)})"
             say(
                 f"vault {r['vault_id']} was already revoked (key {r['kid']}){finished}; "
-                f"`memvault shred` removes the {'rows' if _on_postgres(vault) else 'file'}" + hosts
+                f"`memvault shred` removes the {stays}" + hosts
             )
             return
         say(
@@ -224,6 +203,9 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
     from vault.targets import check_target
 
     if postgres_url() is not None:
+        # The one branch left: a file is shredded by its path, without opening it as a
+        # vault (a damaged or revoked file too) and with its files overwritten; a
+        # PostgreSQL vault is opened, and its tables dropped.
         _shred_postgres(yes, receipt)
         return
     target = shred_target(state().db)  # no vault, nothing asked (exit 3)
@@ -246,7 +228,7 @@ def shred_cmd(yes: bool, receipt: str | None) -> None:
 
 
 def _shred_postgres(yes: bool, receipt: str | None) -> None:
-    """`shred` on a URL: key, rows, tables; no files to overwrite (engines.postgres.admin.shred)."""
+    """`shred` on a URL: key, rows, tables; no files to overwrite (engines.postgres.shred)."""
     from vault.targets import check_target
 
     vault = open_any()  # no vault: exit 3 before anyone is asked

@@ -14,9 +14,8 @@ from vault.cli.common import (
     confirm,
     emit,
     hide_options,
-    open_vault,
+    open_any,
     plural,
-    postgres_url,
     progress,
     refuse_option,
     refuse_vault_target,
@@ -113,29 +112,13 @@ def import_cmd(
           --messages-table my_messages
       memvault import carnet.db --shred-source --yes
     """
-    from vault.importer import Importer
     from vault.targets import NOT_A_SOURCE
 
     refuse_vault_target(plain_db, NOT_A_SOURCE)
-    url = postgres_url()
-    importer: Importer
-    if url is not None:
-        from vault.engines.postgres.importer import PgImporter
-        from vault.engines.postgres.vault import PgVault
-
-        pg = PgVault.open(url)
-        pg.sealer()  # fail on the key before reading anything
-        importer = PgImporter(
-            pg, plain_db, session_id, sessions_table, messages_table, shred_source
-        )
-        where = pg.path
-    else:
-        vault = open_vault()
-        vault.sealer()  # fail on the key before reading anything
-        importer = Importer(
-            vault, plain_db, session_id, sessions_table, messages_table, shred_source
-        )
-        where = str(vault.path)
+    vault = open_any()
+    vault.sealer()  # fail on the key before reading anything
+    importer = vault.importer(plain_db, session_id, sessions_table, messages_table, shred_source)
+    where = str(vault.path)
     with importer:
         plan = importer.plan
         if shred_source:

@@ -12,9 +12,8 @@ from vault.cli.common import (
     common,
     confirm,
     emit,
-    open_vault,
+    open_any,
     plural,
-    postgres_url,
     refuse_vault_target,
     say,
     state,
@@ -57,16 +56,8 @@ def backup_cmd(dest: str) -> None:
     from vault.targets import over_vault
 
     refuse_vault_target(dest, over_vault("backup"))
-    url = postgres_url()
-    if url is not None:
-        from vault.engines.postgres.backup import backup as pg_backup
-        from vault.engines.postgres.vault import PgVault
-
-        r = pg_backup(PgVault.open(url), dest)
-    else:
-        from vault.engines.sqlite.backup import backup
-
-        r = backup(open_vault(), dest)
+    vault = open_any()
+    r = vault.backup(dest)
 
     def human() -> None:
         say(
@@ -77,11 +68,8 @@ def backup_cmd(dest: str) -> None:
             "to restore it on another machine:",
             *(f"  {step}" for step in r.restore),
         )
-        if url is not None:
-            click.echo(
-                "the copy is a vault file (SQLite) holding one snapshot of the PostgreSQL vault; "
-                "for a server-side backup use pg_dump"
-            )
+        if vault.backup_note:
+            click.echo(vault.backup_note)
 
     emit(r.as_dict(), human)
     if r.key_problem:
@@ -123,16 +111,10 @@ def verify_cmd() -> None:
       memvault verify
       memvault --db backup.db --json verify
     """
-    from vault.verify import VerifyReport, verify
+    from vault.engines.registry import verify_vault
+    from vault.verify import VerifyReport
 
-    url = postgres_url()
-    report: VerifyReport
-    if url is not None:
-        from vault.engines.postgres.read import verify as pg_verify
-
-        report = pg_verify(url)
-    else:
-        report = verify(state().db)
+    report: VerifyReport = verify_vault(state().db)  # read-only: not through open_any
     doc = report.as_dict()
     rotation = doc.get("rotation")
 
@@ -226,20 +208,10 @@ def restore_cmd(backup: str, yes: bool) -> None:
       memvault restore ~/backups/history-2026-11-30.db
       memvault --db ~/work/history.db restore /media/usb/history.db --yes
     """
-    from vault.engines.sqlite.restore import RestorePlan
+    from vault.engines.registry import check_restore
 
-    url = postgres_url()
-    if url is not None:
-        from vault.engines.postgres.restore import check as pg_check
-        from vault.engines.postgres.restore import restore as pg_restore
-        from vault.engines.postgres.vault import PgVault
-
-        pg = PgVault.open(url)
-        plan: RestorePlan = pg_check(pg, backup)
-    else:
-        from vault.engines.sqlite.restore import check, restore
-
-        plan = check(backup, state().db)
+    todo = check_restore(state().db, backup)
+    plan = todo.plan
     if plan.replaces:
         confirm(
             f"Replace the vault at {plan.path} ({plural(plan.replaced_items or 0, 'item')}) with "
@@ -247,7 +219,7 @@ def restore_cmd(backup: str, yes: bool) -> None:
             f"{plan.backed_up_at or 'at an unknown time'})? Items written since are lost",
             yes,
         )
-    r = pg_restore(pg, plan) if url is not None else restore(plan)
+    r = todo.run()
 
     def human() -> None:
         say(
@@ -255,12 +227,12 @@ def restore_cmd(backup: str, yes: bool) -> None:
             f"  {plural(r['items'], 'item')} in {plural(r['sessions'], 'session')}, key id "
             f"{r['kid']}; checked: {', '.join(r['checked'])}",
             "  the replaced vault was overwritten and deleted"
-            if url is None and r["replaces"]
+            if not todo.in_place and r["replaces"]
             else "  its sessions and items were replaced in one transaction"
-            if url is not None
+            if todo.in_place
             else "  there was no vault at that path",
         )
-        if url is not None and r["replaced_kid"] != r["kid"]:
+        if todo.in_place and r["replaced_kid"] != r["kid"]:
             say(
                 f"  the vault uses the backup's key {r['kid']} again; the replaced key "
                 f"{r['replaced_kid']} is {r['old_key']}; `memvault rotate` moves every item "

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from vault import durations
-from vault.engines.sqlite.vault import Progress, Vault
 from vault.errors import Interrupted, VaultBusy
+from vault.files import Progress
 from vault.textsafe import escape_line
 
 if TYPE_CHECKING:
     from click.shell_completion import CompletionItem
 
-    from vault.engines.postgres.vault import PgVault
+    from vault.engine import AnyVault
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -175,10 +175,6 @@ def state() -> State:
     return click.get_current_context().ensure_object(State)
 
 
-def open_vault() -> Vault:
-    return Vault.open(state().db)
-
-
 def postgres_url() -> str | None:
     """The PostgreSQL URL that --db or $MEMVAULT_DB names, or None for a file."""
     from vault.paths import postgres_url as named_url
@@ -197,14 +193,11 @@ def refuse_vault_target(path: str | None, why: str) -> None:
     refuse_vault_file(path, resolve_db_path(state().db), why)
 
 
-def open_any() -> Vault | PgVault:
-    """The vault, in a file or (for the commands that support it) in PostgreSQL."""
-    url = postgres_url()
-    if url is None:
-        return Vault.open(state().db)
-    from vault.engines.postgres.vault import PgVault
+def open_any() -> AnyVault:
+    """The vault --db names, a file or a PostgreSQL URL: one type whichever it is."""
+    from vault.engines.registry import open_vault
 
-    return PgVault.open(url)
+    return open_vault(state().db)
 
 
 def emit(data: Any, human: Callable[[], None]) -> None:

@@ -21,12 +21,11 @@ from vault.cli.common import (
     plural,
     say,
 )
-from vault.engines.sqlite.vault import Vault
 from vault.errors import VaultError
 from vault.textsafe import escape_line, escape_text
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+    from vault.engine import AnyVault
 
 
 @click.command()
@@ -74,7 +73,7 @@ def _item_text(item: Any) -> str:
     return json.dumps(item, ensure_ascii=False)
 
 
-def _size(vault: Vault | PgVault, session_id: str) -> int:
+def _size(vault: AnyVault, session_id: str) -> int:
     """How many items SESSION stores (0 if none or unknown), counted in SQL, unverified."""
     return next((s.items for s in vault.sessions() if s.session_id == session_id), 0)
 
@@ -186,11 +185,9 @@ def pop(session_id: str, count: int, yes: bool) -> None:
     result = vault.pop(session_id, count)
     popped = result.items
     data: dict[str, Any] = {"session_id": session_id, "popped": popped, "requested": count}
-    note = None
-    if getattr(vault, "backend", None) == "postgresql":
-        from vault.engines.postgres.vault import PG_SCRUB_NOTE
-
-        note = data["scrub"] = PG_SCRUB_NOTE
+    note = result.note  # PostgreSQL: what becomes of the deleted rows
+    if note:
+        data["scrub"] = note
     emit(
         data,
         lambda: click.echo(
@@ -233,11 +230,9 @@ def clear(session_id: str, yes: bool, include_unreadable: bool) -> None:
         "unreadable_deleted": bad,
         "scrubbed": result.scrubbed,
     }
-    note = None
-    if getattr(vault, "backend", None) == "postgresql":
-        from vault.engines.postgres.vault import PG_SCRUB_NOTE
-
-        note = data["scrub"] = PG_SCRUB_NOTE
+    note = result.note  # PostgreSQL: what becomes of the deleted rows
+    if note:
+        data["scrub"] = note
     emit(
         data,
         lambda: click.echo(

@@ -342,13 +342,7 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
         )
 
     r = import_kit(vault, file, lambda: ask(False), ask_replace)
-    if getattr(vault, "backend", None) == "postgresql":
-        from vault.engines.postgres.admin import forget_destroyed, kept_for_rotation
-
-        # Another host rotated: the versions the vault destroyed leave this keyring too.
-        r["destroyed_here"] = forget_destroyed(vault)  # type: ignore[arg-type]
-        # A rotation still under way needs its old key here until it ends.
-        r["kept_until_rotation_ends"] = kept_for_rotation(vault)  # type: ignore[arg-type]
+    r.update(vault.settle_keyring())
 
     def human() -> None:
         if r.get("destroyed_here"):

@@ -3,7 +3,7 @@ and audit trail)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -14,14 +14,10 @@ from vault.cli.common import (
     emit,
     open_any,
     plural,
-    postgres_url,
     say,
     state,
 )
-from vault.engines.sqlite.vault import DEFAULT_TTL, Vault
-
-if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+from vault.engines.sqlite.schema import DEFAULT_TTL
 
 
 @click.command()
@@ -42,15 +38,10 @@ def init(ttl: Any) -> None:
     Example:
       memvault init --ttl 7d
     """
-    seconds = DEFAULT_TTL if ttl is None else ttl[1]
-    url = postgres_url()
-    vault: Vault | PgVault
-    if url is None:
-        vault = Vault.init(state().db, ttl=seconds)
-    else:
-        from vault.engines.postgres.vault import PgVault
+    from vault.engines.registry import init_vault
 
-        vault = PgVault.init(url, ttl=seconds)
+    seconds = DEFAULT_TTL if ttl is None else ttl[1]
+    vault = init_vault(state().db, ttl=seconds)
     meta = vault.meta()
     data = {
         "path": str(vault.path),
@@ -89,7 +80,7 @@ def status() -> None:
     st = open_any().status()
 
     def human() -> None:
-        if st.get("backend") == "postgresql":
+        if st.get("backend") == "postgresql":  # no file, folder or size of its own to show
             say(f"vault      {st['path']}  (PostgreSQL, schema {st['schema']})")
             click.echo(f"files      {st['size']} (no file, folder or mode of memvault's own)")
         else:

@@ -1,4 +1,5 @@
-"""A PostgreSQL vault's admin operations: purge, pop, ttl, revoke, shred, key versions.
+"""A PostgreSQL vault's admin operations: purge, pop, ttl, revoke, key versions (shred:
+vault.engines.postgres.shred, on the helpers here).
 
 The same meaning, results and exit codes as a file vault's (vault.engines.sqlite.vault,
 vault.engines.sqlite.lifecycle, vault.engines.sqlite.shred); `PgVault` delegates here. What differs:
@@ -9,10 +10,6 @@ vault.engines.sqlite.lifecycle, vault.engines.sqlite.shred); `PgVault` delegates
   rows memvault runs VACUUM on the tables, so the server may reuse their space;
   it cannot overwrite pages, WAL segments, archives, replicas or backups. Destroying
   the key is the guarantee; deleting the rows is best effort (SECURITY.md).
-* `shred` has no files to overwrite: it destroys every recorded key version's
-  keyring entry, deletes the rows, VACUUMs, then drops the vault's tables, and the
-  URL's `?schema=` if `memvault init` created it and nothing else is left in it.
-  A shred cut off at any step is finished by the next one, with the same report.
 * Revoke and shred destroy the entries of this host's keyring only: every other
   host runs `memvault revoke` too (docs/postgres.md, "Several hosts").
 """
@@ -25,24 +22,23 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from vault import crypto, exportdirs, keyjournal, testhooks
+from vault import crypto, keyjournal, testhooks
 from vault.engines.postgres import kept as pgkept
 from vault.engines.postgres.conn import translate_after
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.rotate import FROM, PROGRESS, ROW_BATCH, kid_of
-from vault.engines.postgres.schema import _q, audit, current_schema, record_key
-from vault.engines.sqlite.db import parse_ttl
-from vault.engines.sqlite.lifecycle import KeyVersionInfo, refuse_revoked, with_backups
-from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, utcnow
-from vault.engines.sqlite.shred import SHRED_FIELDS
+from vault.engines.postgres.schema import audit, current_schema, record_key
+from vault.engines.sqlite.keptkeys import refuse_revoked, with_backups
+from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.errors import KeyProblem, OperationFailed, VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, DESTROYED, PENDING, entry_name
-from vault.results import Popped, Report
+from vault.results import KeyVersionInfo, Popped, Report
+from vault.vaultops import parse_ttl, popped_item, ttl_value
 
 if TYPE_CHECKING:
     from vault.engines.postgres.base import Keys
-    from vault.engines.postgres.vault import PgVault
+    from vault.engines.postgres.kept import PgKeptVersions as PgVault
 
 T = TypeVar("T")
 DEFAULT_BATCH = 500
@@ -51,24 +47,9 @@ PG_PURGE_NOTE = (
     "overwrite them: their ciphertext may stay in its pages, WAL, archives, replicas and "
     "backups, under the vault's key"
 )
-PG_SHRED_FILES_NOTE = (
-    "not applicable on PostgreSQL: the server's files are not memvault's to overwrite; the "
-    "rows were deleted, the tables VACUUMed and dropped; copies in the server's WAL, "
-    "archives, replicas and backups stay, unreadable now that the key is destroyed"
-)
-# The vault's tables, dropped by `shred` in this order (the messages, and their trigger, first).
-VAULT_TABLES = (
-    MESSAGES_TABLE,
-    SESSIONS_TABLE,
-    "memvault_audit",
-    "memvault_backups",
-    "memvault_keys",
-    "memvault_migrations",
-    "memvault_meta",
-)
 
 
-async def _set(conn: Any, **values: str) -> None:
+async def set_meta(conn: Any, **values: str) -> None:
     await conn.executemany(
         "INSERT INTO memvault_meta (key, value) VALUES ($1, $2) "
         "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -76,7 +57,7 @@ async def _set(conn: Any, **values: str) -> None:
     )
 
 
-def _locked(vault: PgVault, body: Callable[[Any, str], Awaitable[T]]) -> T:
+def locked(vault: PgVault, body: Callable[[Any, str], Awaitable[T]]) -> T:
     """`body(conn, schema)` on one connection holding the admin lock (no vault: exit 3
     before any lock is taken)."""
 
@@ -109,7 +90,7 @@ async def known_kids(conn: Any, meta: dict[str, str]) -> set[str]:
     return kids
 
 
-async def _in_use(conn: Any, kid: str, meta: dict[str, str]) -> set[str]:
+async def kids_in_use(conn: Any, kid: str, meta: dict[str, str]) -> set[str]:
     """The versions the vault itself uses or staged: the rest are other copies' keys."""
     rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE state = $1", PENDING)
     return {kid} | {r[0] for r in rows} | ({meta[FROM]} if FROM in meta else set())
@@ -129,7 +110,7 @@ def purge(
     async def body(conn: Any, _schema: str) -> Report:
         meta = await vault.read_meta(conn)
         refuse_revoked(meta)
-        ttl = parse_ttl(meta, vault.path)  # type: ignore[arg-type]
+        ttl = parse_ttl(meta, vault.path)
         current = int(time.time()) if now is None else now
         # Under the admin lock no rotation moves on: the kids in use stay these.
         keys: Keys | None = vault.keys_for(meta["kid"], meta.get(FROM))
@@ -162,9 +143,10 @@ def purge(
         return Report(
             {"deleted": deleted, "kept": kept, "unreadable": unreadable, "vacuumed": deleted > 0},
             True,
+            {"scrub": PG_PURGE_NOTE if deleted else "nothing deleted: no VACUUM was needed"},
         )
 
-    return _locked(vault, body)
+    return locked(vault, body)
 
 
 def pop(vault: PgVault, session_id: str, n: int = 1) -> Popped:
@@ -180,15 +162,10 @@ def pop(vault: PgVault, session_id: str, n: int = 1) -> Popped:
             session_id,
             n,
         )
-        popped = []
-        for row_id, data in rows:
-            opened = keys.get(kid_of(data) or "", current).open(session_id, data, None)
-            if opened.state is not crypto.ItemState.READABLE:
-                raise OperationFailed(
-                    f"item {row_id} of session {session_id!r} does not authenticate "
-                    "(tampered, corrupt or under another key); nothing was removed"
-                )
-            popped.append(opened.item)
+        popped = [
+            popped_item(keys.get(kid_of(data) or "", current), session_id, row_id, data)
+            for row_id, data in rows
+        ]
         await conn.executemany(
             f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", [(r[0],) for r in rows]
         )
@@ -202,8 +179,8 @@ def set_ttl(vault: PgVault, ttl: int | None) -> None:
 
     async def body(conn: Any, _keys: Keys, current: crypto.Sealer) -> None:
         old = (await vault.read_meta(conn)).get("ttl_seconds")
-        new = "never" if ttl is None else str(ttl)
-        await _set(conn, ttl_seconds=new)
+        new = ttl_value(ttl)
+        await set_meta(conn, ttl_seconds=new)
         await audit(conn, "ttl", current.kid, old=old, new=new)
 
     vault.change(body)
@@ -228,9 +205,9 @@ def revoke(vault: PgVault) -> dict[str, Any]:
             kid = meta.get("revoked_kid", meta["kid"])
             already = "revoked_at" in meta
             kids = await known_kids(conn, meta)
-            in_use = await _in_use(conn, kid, meta)
+            in_use = await kids_in_use(conn, kid, meta)
             if not already:
-                await _set(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
+                await set_meta(conn, revoked_at=utcnow(), revoked_kid=kid, kid="revoked")
                 # A rotation cut off can never finish now: its marks go.
                 await conn.execute(
                     "DELETE FROM memvault_meta WHERE key = ANY($1)", [FROM, PROGRESS]
@@ -252,128 +229,9 @@ def revoke(vault: PgVault) -> dict[str, Any]:
         return {"vault_id": vault_id, "kid": kid, "already_revoked": already, **outcome}
 
     try:
-        return _locked(vault, body)
+        return locked(vault, body)
     finally:
         vault.forget_keys()
-
-
-def shred(vault: PgVault) -> dict[str, Any]:
-    """Destroy a PostgreSQL vault: lock, key, rows (then VACUUM), tables, schema.
-
-    Works without the key (revoked, or this keyring never had it). What was destroyed
-    is recorded in the meta before the rows go, so a shred cut off is finished by the
-    next run with the same report (`resumed`).
-    """
-    ks = vault.keystore
-    ks.check_usable()
-    report: dict[str, Any] = {"path": vault.path, "backend": vault.backend, "resumed": False}
-
-    async def body(conn: Any, schema: str) -> dict[str, Any]:
-        report["schema"] = schema
-        async with conn.transaction():
-            meta = await vault.read_meta(conn)
-            vault_id = meta["vault_id"]
-            kid = meta.get("revoked_kid", meta["kid"])
-            report["vault_id"], report["kid"] = vault_id, kid
-            created = meta.get("schema_created")
-            if "shred_started" in meta:
-                report.update(json.loads(meta["shred_started"]))
-                report["resumed"] = True
-            else:
-                report["sessions"] = await conn.fetchval(
-                    f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
-                    f"SELECT session_id FROM {MESSAGES_TABLE}) AS s"
-                )
-                report["items"] = await conn.fetchval(f"SELECT count(*) FROM {MESSAGES_TABLE}")
-                for k in SHRED_FIELDS[4:]:
-                    report[k] = None
-                # The guard refuses every write from here on (the kid is no envelope's).
-                marks = {} if "revoked_at" in meta else {"revoked_at": utcnow(), "revoked_kid": kid}
-                await _set(
-                    conn,
-                    kid="revoked",
-                    shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}),
-                    **marks,
-                )
-            kids = await known_kids(conn, meta)
-            in_use = await _in_use(conn, kid, meta)
-        testhooks.failpoint("pg-shred-after-mark")
-        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
-        if report.get("key_destroyed") is None or outcome["key_destroyed"]:
-            # A resumed run keeps what the first one destroyed, adding what it finds now.
-            before = set(report.get("destroyed_kids") or [])
-            outcome["destroyed_kids"] = sorted(before | set(outcome["destroyed_kids"]))
-            outcome["other_copies_kids"] = sorted(
-                set(report.get("other_copies_kids") or []) | set(outcome["other_copies_kids"])
-            )
-            outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
-            report.update(outcome)
-        try:
-            async with conn.transaction():
-                for k in sorted(kids):
-                    await record_key(conn, k, DESTROYED)
-                await _set(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
-            testhooks.failpoint("pg-shred-after-keys")
-            async with conn.transaction():
-                await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
-                await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
-            await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
-            testhooks.failpoint("pg-shred-after-vacuum")
-            async with conn.transaction():
-                # The audit trail goes with the tables: first, where forced exports wrote.
-                rows = []
-                if await conn.fetchval("SELECT to_regclass('memvault_audit')") is not None:
-                    rows = await conn.fetch(
-                        "SELECT event, details FROM memvault_audit WHERE event = $1",
-                        exportdirs.EVENT,
-                    )
-                folders = exportdirs.recorded({"event": e, **json.loads(d)} for e, d in rows)
-                for table in VAULT_TABLES:
-                    await conn.execute(f"DROP TABLE IF EXISTS {table}")
-                await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
-            report["tables_dropped"] = list(VAULT_TABLES)
-            report["vacuumed"] = True
-            report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
-                conn, schema, created
-            )
-        except Exception as exc:
-            raise translate_after(
-                exc,
-                vault.loc,
-                "the vault's keys are already destroyed (its rows can never be read again); "
-                "fix that, then run `memvault shred` again to finish",
-            ) from None
-        # A killed `export --force` of this vault may have left plaintext where it wrote.
-        report["files"] = exportdirs.clean(folders)
-        report["files_note"] = PG_SHRED_FILES_NOTE
-        report["at"] = utcnow()
-        return report
-
-    try:
-        return _locked(vault, body)
-    finally:
-        vault.forget_keys()
-
-
-async def _drop_schema(conn: Any, schema: str, created: str | None) -> tuple[bool, str | None]:
-    """Drop the vault's schema if `memvault init` created it and nothing else is in it.
-
-    The tables are gone already, so a refusal here (other objects, no privilege) keeps
-    the schema and says why: the shred itself has succeeded.
-    """
-    if created != schema:
-        return False, "memvault init did not create it"
-    try:
-        async with conn.transaction():
-            await conn.execute(f"DROP SCHEMA {_q(schema)} RESTRICT")
-    except Exception as exc:
-        state = getattr(exc, "sqlstate", None)
-        if state == "2BP01":  # dependent objects still exist
-            return False, "it holds other objects"
-        if state is None:
-            raise
-        return False, f"the server refused to drop it ({state})"
-    return True, None
 
 
 def key_versions(vault: PgVault) -> list[KeyVersionInfo]:

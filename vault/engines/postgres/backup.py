@@ -13,22 +13,20 @@ FILE` puts it back (`restore` here).
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vault.engines.postgres import rotate as pgrotate
-from vault.engines.postgres import schema as pgschema
 from vault.engines.sqlite import backup as file_backup
 from vault.engines.sqlite import filecopy
 from vault.engines.sqlite.db import connect, sqlite_errors
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
-from vault.errors import KeyRevoked, OperationFailed, VaultBusy
+from vault.errors import VaultBusy
 from vault.keyjournal import CURRENT, DESTROYED
 from vault.verify import BATCH
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+    from vault.engines.postgres.kept import PgKeptVersions as PgVault
 
 
 def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupResult:
@@ -48,8 +46,8 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     _refuse(vault, meta)
     target = file_backup.check_destination(dest, None)
     # Recorded in the vault first, and marked, as a file vault's backup is
-    # (vault.engines.sqlite.backup.recorded_copy, vault.backupmark).
-    rec, (kid, vault_id, sessions, items) = file_backup.recorded_copy(
+    # (vault.engines.sqlite.backup.recorded_backup, vault.backupmark).
+    r = file_backup.recorded_backup(
         vault,
         target,
         lambda rec, keep: filecopy.write_new_copy(
@@ -59,39 +57,12 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
             keep,
         ),
     )
-    key_problem = file_backup.key_check(vault, rec, kid)
-    audited = True
-    try:
-        vault.run(
-            lambda conn: pgschema.audit(
-                conn, "backup", kid, items=items, sessions=sessions, to=rec.path
-            ),
-            write=True,
+    if r.key_problem is None:  # `key export` reads the copy: the same keyring entry
+        r.restore[0] = (
+            f"memvault --db {target} key export kit.json  # here: a recovery kit for key "
+            f"{r.kid}, kept apart"
         )
-    except (VaultBusy, OperationFailed):
-        audited = False
-    st = os.stat(target)
-    restore = file_backup.restore_steps(target, kid, key_problem is None)
-    if key_problem is None:  # `key export` reads the copy: the same keyring entry
-        restore[0] = (
-            f"memvault --db {target} key export kit.json  # here: a recovery kit for key {kid}, "
-            "kept apart"
-        )
-    return file_backup.BackupResult(
-        path=rec.path,
-        source=vault.path,
-        vault_id=vault_id,
-        kid=kid,
-        sessions=sessions,
-        items=items,
-        size=st.st_size,
-        mode=oct(stat.S_IMODE(st.st_mode)),
-        key=file_backup.KEY_OK if key_problem is None else file_backup.KEY_UNUSABLE,
-        key_problem=key_problem,
-        restore=restore,
-        audited=audited,
-        backup_id=rec.backup_id,
-    )
+    return r
 
 
 def _refuse(vault: PgVault, meta: dict[str, str]) -> None:
@@ -102,16 +73,7 @@ def refuse_unsettled(vault: PgVault, meta: dict[str, str], then: str, revoked: s
     """Refuse a vault that is revoked, half shredded or mid-rotation: backup and restore
     need its rows under one key (`then` is what the user does after, `revoked` why a
     revoked vault is refused)."""
-    if "revoked_at" in meta:
-        raise KeyRevoked(
-            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; "
-            f"{revoked}; nothing was written"
-        )
-    if "shred_started" in meta:
-        raise OperationFailed(
-            f"a shred of {vault.path} was interrupted; run `memvault shred` again to finish "
-            "it; nothing was written"
-        )
+    file_backup.refuse_unbackable(meta, vault.path, revoked)
     if pgrotate.FROM in meta:
         # A file's guard admits only the current kid: rows still under the old key
         # cannot enter the copy until the rotation has moved them; a restore's rows

@@ -12,15 +12,18 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 from vault import crypto
-from vault.engines.postgres import rotate as pgrotate
 from vault.engines.postgres import schema as pgschema
 from vault.engines.postgres.conn import connect, is_driver_error, run_sync, translate
 from vault.engines.postgres.url import PgLocation
-from vault.engines.sqlite.db import parse_ttl
-from vault.engines.sqlite.lifecycle import refuse_revoked
+from vault.engines.sqlite.keptkeys import refuse_revoked
+from vault.engines.sqlite.schema import (
+    GUARD_MESSAGE,
+    session_exists_sql,
+)
 from vault.errors import KeyMissing, NotAVault, OperationFailed, VaultBusy, VaultError
-from vault.keyjournal import entry_name
+from vault.keyjournal import ROTATING_FROM, entry_name
 from vault.keys import KeyStore, require_key
+from vault.vaultops import MetaKeys, unknown_session
 
 T = TypeVar("T")
 # What a host says once another host rotated and its keyring lacks the new key.
@@ -28,8 +31,12 @@ KEY_CHANGED = "the vault's key changed: import the new recovery kit"
 Keys = dict[str, crypto.Sealer]
 
 
-class PgVaultBase:
+class PgVaultBase(MetaKeys):
     """A PostgreSQL vault's location, connections, meta and keys."""
+
+    path: str  # the URL without its password: what messages and `status` show
+    backend = "postgresql"
+    guard_message = GUARD_MESSAGE  # the PL/pgSQL guard raises the file guard's words
 
     def __init__(self, loc: PgLocation, keystore: KeyStore | None = None) -> None:
         self.loc = loc
@@ -38,12 +45,6 @@ class PgVaultBase:
         self._sealer: crypto.Sealer | None = None
         # The key a running rotation moves rows from (engines.postgres.rotate), by kid, once loaded.
         self._others: dict[str, crypto.Sealer] = {}
-
-    @property
-    def keystore(self) -> KeyStore:
-        if self._keystore is None:
-            self._keystore = KeyStore()
-        return self._keystore
 
     # -- connections ----------------------------------------------------
     async def connect(self) -> Any:
@@ -106,17 +107,26 @@ class PgVaultBase:
             "MEMVAULT_DB at an existing vault"
         )
 
+    async def require_session(self, conn: Any, session_id: str) -> None:
+        found = await conn.fetchval(
+            session_exists_sql("$1"),
+            session_id,
+        )
+        if not found:
+            raise unknown_session(session_id, self.path)
+
+    def record(self, event: str, kid: str | None, **details: Any) -> None:
+        """Append one audit event in a transaction of its own."""
+
+        async def write(conn: Any) -> None:
+            await self.read_meta(conn)
+            await pgschema.audit(conn, event, kid, **details)
+
+        self.run(write, write=True)
+
     # -- meta and key ---------------------------------------------------
     def meta(self) -> dict[str, str]:
         return self.run(self.read_meta)
-
-    @property
-    def vault_id(self) -> str:
-        return self.meta()["vault_id"]
-
-    @property
-    def ttl(self) -> int | None:
-        return parse_ttl(self.meta(), self.path)  # type: ignore[arg-type]
 
     def sealer(self, refresh: bool = False) -> crypto.Sealer:
         """The sealer of the key the vault uses now: the entry `<vault_id>/<kid>`."""
@@ -168,11 +178,11 @@ class PgVaultBase:
         if kid in self._others:
             return self._others[kid]
         meta = self.meta()
-        if meta.get(pgrotate.FROM) != kid:
+        if meta.get(ROTATING_FROM) != kid:
             return None
         ks = self.keystore
         key = ks.get(entry_name(meta["vault_id"], kid))
-        if key is None and self.meta().get(pgrotate.FROM) != kid:
+        if key is None and self.meta().get(ROTATING_FROM) != kid:
             return None  # the rotation finished and deleted the entry meanwhile
         if key is None:
             # A host that imported the new kit during the rotation: no kit holds the old
@@ -219,10 +229,10 @@ class PgVaultBase:
         await self.read_meta(conn)
         rows = await conn.fetch(
             "SELECT key, value FROM memvault_meta WHERE key IN ('kid', $1) FOR SHARE",
-            pgrotate.FROM,
+            ROTATING_FROM,
         )
         found = {k: v for k, v in rows}
-        return found["kid"], found.get(pgrotate.FROM)
+        return found["kid"], found.get(ROTATING_FROM)
 
     # -- changing -------------------------------------------------------
     def change(self, body: Callable[[Any, Keys, crypto.Sealer], Awaitable[T]]) -> T:

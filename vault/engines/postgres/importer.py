@@ -13,17 +13,16 @@ import datetime as _dt
 import hashlib
 from typing import TYPE_CHECKING, Any, cast
 
-from vault import crypto, testhooks
+from vault import crypto
 from vault.engines.postgres import schema as pgschema
-from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
-from vault.errors import OperationFailed
+from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, session_exists_sql
 from vault.files import Progress
-from vault.import_source import SourceSession, digest_update
+from vault.import_source import SourceSession
 from vault.importer import BATCH, Importer
 
 if TYPE_CHECKING:
     from vault.engines.postgres.base import Keys
-    from vault.engines.postgres.vault import PgVault
+    from vault.engines.postgres.kept import PgKeptVersions as PgVault
 
 
 def _when(value: Any) -> _dt.datetime | None:
@@ -61,14 +60,10 @@ class PgImporter(Importer):
 
         async def body(conn: Any, keys: Keys, current: crypto.Sealer) -> int:
             if await conn.fetchval(
-                f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = $1 UNION ALL "
-                f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = $1 LIMIT 1",
+                session_exists_sql("$1"),
                 sid,
             ):
-                raise OperationFailed(
-                    f"session {sid!r} appeared in the vault during the import; it was not "
-                    f"imported ({part - 1} session(s) before it were)"
-                )
+                raise self._appeared(sid, part)
             await conn.execute(
                 f"INSERT INTO {SESSIONS_TABLE} (session_id, created_at, updated_at) VALUES "
                 "($1, coalesce($2::timestamp, localtimestamp), "
@@ -81,57 +76,33 @@ class PgImporter(Importer):
             count = 0
             # The server reads a session by (created_at, id): the times are kept, never
             # let to run backwards, so that order stays the source's id order.
-            last: _dt.datetime | None = None
+            last: list[_dt.datetime | None] = [None]
+
+            def when(created: Any) -> _dt.datetime | None:
+                at = _when(created)
+                if at is not None and last[0] is not None and at < last[0]:
+                    at = last[0]
+                last[0] = at or last[0]
+                return at
+
             while batch := rows.fetchmany(BATCH):
-                sealed = []
-                for row_id, data, created in batch:
-                    item = self._decode(self.plan, sid, row_id, data)
-                    digest_update(source_digest, item)
-                    when = _when(created)
-                    if when is not None and last is not None and when < last:
-                        when = last
-                    last = when or last
-                    sealed.append((sid, current.seal(sid, item), when))
                 await conn.executemany(
                     f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
                     "VALUES ($1, $2, coalesce($3::timestamp, localtimestamp))",
-                    sealed,
+                    self._seal_batch(sid, batch, current, source_digest, when),
                 )
-                count += len(batch)
-                if progress:
-                    progress(len(batch))
-                testhooks.failpoint("import-in-transaction")
-            # Read back, inside the transaction: same count, same items, same order.
-            vault_digest = hashlib.sha256()
-            stored = 0
+                count += self._inserted(len(batch), progress)
+            check = self._read_back(sid, current)
             async for record in conn.cursor(
                 f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
                 "ORDER BY created_at, id",
                 sid,
             ):
-                opened = current.open(sid, record[0], None)
-                if opened.state is not crypto.ItemState.READABLE:
+                if not check.add(record[0]):
                     break
-                digest_update(vault_digest, opened.item)
-                stored += 1
-            if (
-                stored != count
-                or count != s.items
-                or vault_digest.digest() != source_digest.digest()
-            ):
-                raise OperationFailed(
-                    f"verification of session {sid!r} failed ({count} item(s) read from the "
-                    f"source, {s.items} expected, {stored} readable in the vault); it was rolled "
-                    f"back and not imported ({part - 1} session(s) before it were)"
-                )
+            check.done(s, count, source_digest, part)
             await pgschema.audit(
-                conn,
-                "import",
-                current.kid,
-                items=count,
-                part=part,
-                parts=parts,
-                **self.resume.marks(sid),
+                conn, "import", current.kid, **self._audited(sid, count, part, parts)
             )
             return count
 

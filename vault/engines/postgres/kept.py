@@ -7,17 +7,15 @@ backup uses is kept) is vault.retention's, the same for both engines.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from vault import retention, testhooks
+from vault.engines.postgres.base import PgVaultBase
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.schema import audit, current_schema, record_key
-from vault.engines.sqlite.lifecycle import refuse_revoked
+from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.errors import BadInput
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED, entry_name
-
-if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
 
 RECORDS = "SELECT backup_id, path, kid, created_at FROM memvault_backups ORDER BY seq"
 
@@ -30,7 +28,7 @@ async def states(conn: Any) -> dict[str, str]:
     return {k: s for k, s in await conn.fetch("SELECT kid, state FROM memvault_keys")}
 
 
-def records_of(vault: PgVault) -> list[retention.BackupRecord]:
+def records_of(vault: PgVaultBase) -> list[retention.BackupRecord]:
     async def read(conn: Any) -> list[retention.BackupRecord]:
         await vault.read_meta(conn)
         return await records(conn)
@@ -38,7 +36,7 @@ def records_of(vault: PgVault) -> list[retention.BackupRecord]:
     return vault.run(read)
 
 
-def backups(vault: PgVault) -> list[dict[str, Any]]:
+def backups(vault: PgVaultBase) -> list[dict[str, Any]]:
     async def read(conn: Any) -> tuple[list[retention.BackupRecord], dict[str, str]]:
         await vault.read_meta(conn)
         return await records(conn), await states(conn)
@@ -47,7 +45,7 @@ def backups(vault: PgVault) -> list[dict[str, Any]]:
     return retention.described(recs, kid_states)
 
 
-def record_backup(vault: PgVault, target: Path) -> retention.BackupRecord:
+def record_backup(vault: PgVaultBase, target: Path) -> retention.BackupRecord:
     async def write(conn: Any) -> retention.BackupRecord:
         # The kid row locked as a rotation's switch locks it: the record names the key
         # the vault uses, and a rotation ending after this commit sees the record.
@@ -67,7 +65,7 @@ def record_backup(vault: PgVault, target: Path) -> retention.BackupRecord:
     return vault.run(write, write=True)
 
 
-def settle_backup(vault: PgVault, rec: retention.BackupRecord, kid: str) -> str | None:
+def settle_backup(vault: PgVaultBase, rec: retention.BackupRecord, kid: str) -> str | None:
     async def write(conn: Any) -> str | None:
         await conn.execute(
             "UPDATE memvault_backups SET kid = $1 WHERE backup_id = $2", kid, rec.backup_id
@@ -77,14 +75,14 @@ def settle_backup(vault: PgVault, rec: retention.BackupRecord, kid: str) -> str 
     return vault.run(write, write=True)
 
 
-def drop_backup(vault: PgVault, rec: retention.BackupRecord) -> None:
+def drop_backup(vault: PgVaultBase, rec: retention.BackupRecord) -> None:
     async def write(conn: Any) -> None:
         await conn.execute("DELETE FROM memvault_backups WHERE backup_id = $1", rec.backup_id)
 
     vault.run(write, write=True)
 
 
-def forget(vault: PgVault, kid: str) -> dict[str, Any]:
+def forget(vault: PgVaultBase, kid: str) -> dict[str, Any]:
     """Destroy a retained version on purpose (engines.sqlite.keptkeys.KeptVersions.forget's twin),
     under the admin lock, so no rotation decides about it meanwhile."""
     ks = vault.keystore
@@ -156,23 +154,20 @@ async def settle_leftovers(conn: Any, vault_id: str, current: str, delete: Any) 
             await settle_old(conn, vault_id, kid, delete)
 
 
-class PgKeptVersions:
+class PgKeptVersions(PgVaultBase):
     """A base of `PgVault`: what vault.engines.sqlite.backup and `key forget` ask of a vault."""
 
-    def _pg(self) -> PgVault:
-        return cast("PgVault", self)
-
     def backups(self) -> list[dict[str, Any]]:
-        return backups(self._pg())
+        return backups(self)
 
     def record_backup(self, target: Path) -> retention.BackupRecord:
-        return record_backup(self._pg(), target)
+        return record_backup(self, target)
 
     def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None:
-        return settle_backup(self._pg(), rec, kid)
+        return settle_backup(self, rec, kid)
 
     def drop_backup(self, rec: retention.BackupRecord) -> None:
-        drop_backup(self._pg(), rec)
+        drop_backup(self, rec)
 
     def forget(self, kid: str) -> dict[str, Any]:
-        return forget(self._pg(), kid)
+        return forget(self, kid)

@@ -27,18 +27,17 @@ from typing import TYPE_CHECKING, Any
 from vault import crypto
 from vault.engines.postgres import rotate as pgrotate
 from vault.engines.postgres import schema as pgschema
+from vault.engines.postgres.base import PgVaultBase as PgVault
 from vault.engines.postgres.url import parse
-from vault.engines.sqlite.db import parse_ttl
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
 from vault.errors import (
-    OperationFailed,
     VaultBusy,
     VaultError,
 )
-from vault.verify import _KID, BATCH, PROBLEMS, VerifyReport, check_meta
+from vault.vaultops import check_limit, open_rows, parse_ttl
+from vault.verify import _KID, BATCH, PROBLEMS, VerifyReport, check_meta, check_migrations
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
     from vault.keys import KeyStore
 
 NOT_APPLICABLE = "not applicable: PostgreSQL"
@@ -72,8 +71,7 @@ def opened_items(
     The rows (ciphertext) are read in one snapshot before this returns, UnknownSession
     and the key errors included; each is decrypted only when the iterator reaches it.
     """
-    if limit is not None and limit <= 0:
-        raise OperationFailed("limit must be a positive number of items")
+    check_limit(limit)
     vault.sealer()
     for _attempt in range(50):
 
@@ -93,28 +91,16 @@ def opened_items(
         keys = vault.keys_for(meta["kid"], meta.get(pgrotate.FROM))
         if keys is None:
             continue  # the key moved on between the key load and the snapshot
-        ttl = parse_ttl(meta, vault.path)  # type: ignore[arg-type]
-        return _opened(keys, meta["kid"], session_id, rows, ttl, now, include_expired)
+        ttl = parse_ttl(meta, vault.path)
+        default = keys[meta["kid"]]
+
+        def pick(
+            data: str, keys: dict[str, crypto.Sealer] = keys, default: crypto.Sealer = default
+        ) -> crypto.Sealer:
+            return keys.get(pgrotate.kid_of(data) or "", default)  # the key its envelope names
+
+        return open_rows(pick, session_id, rows, ttl, now, include_expired)
     raise VaultBusy(f"{vault.path} kept changing key while being read; try again")
-
-
-def _opened(
-    keys: dict[str, crypto.Sealer],
-    kid: str,
-    session_id: str,
-    rows: list[str],
-    ttl: int | None,
-    now: int | None,
-    include_expired: bool,
-) -> Iterator[crypto.Opened]:
-    for data in rows:
-        sealer = keys.get(pgrotate.kid_of(data) or "", keys[kid])
-        item = sealer.open(session_id, data, ttl, now)
-        if include_expired and item.state is crypto.ItemState.EXPIRED:
-            item = sealer.open(session_id, data, None)  # authenticated, TTL not applied
-            if item.state is crypto.ItemState.READABLE:
-                item = crypto.Opened(crypto.ItemState.EXPIRED, item.item, item.timestamp)
-        yield item
 
 
 # --------------------------------------------------------------------------
@@ -155,8 +141,6 @@ class PgVerifyReport(VerifyReport):
 
 def verify(url: str, keystore: KeyStore | None = None) -> PgVerifyReport:
     """Check the vault at `url` without changing it; NotAVault (exit 3) when there is none."""
-    from vault.engines.postgres.vault import PgVault
-
     # Not PgVault.open: that would migrate, and verify reports instead of fixing.
     vault = PgVault(parse(url), keystore)
 
@@ -224,12 +208,7 @@ async def _schema(conn: Any, report: VerifyReport) -> bool:
             report.add("schema", f"table {table} is missing")
     if "memvault_migrations" in present:
         done = {r[0] for r in await conn.fetch("SELECT name FROM memvault_migrations")}
-        known = [name for name, _ in pgschema.MIGRATIONS]
-        for name in known:
-            if name not in done:
-                report.add("schema", f"migration {name} is not applied")
-        for name in sorted(done - set(known)):
-            report.add("schema", f"migration {name[:60]!r} is unknown (a newer memvault?)")
+        check_migrations(done, [name for name, _ in pgschema.MIGRATIONS], report)
     if MESSAGES_TABLE not in present:
         report.unverified_reason = report.unverified_reason or "the items' table is missing"
         return False

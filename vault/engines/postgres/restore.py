@@ -40,12 +40,12 @@ from vault.engines.postgres.backup import refuse_unsettled
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.schema import audit, current_schema, record_key
 from vault.engines.sqlite.db import peek, sqlite_errors
-from vault.engines.sqlite.restore import RestorePlan
+from vault.engines.sqlite.restore import RestorePlan, verified_backup
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
 from vault.engines.sqlite.vault import Vault
-from vault.errors import BadInput, KeyProblem, OperationFailed
+from vault.errors import BadInput, OperationFailed
 from vault.keyjournal import CURRENT, RETIRED
-from vault.verify import BATCH, verify
+from vault.verify import BATCH
 
 if TYPE_CHECKING:
     from vault.engines.postgres.vault import PgVault
@@ -67,18 +67,7 @@ def check(vault: PgVault, source: str | os.PathLike[str]) -> RestorePlan:
             f"{live['vault_id']}; a PostgreSQL vault takes back only a backup of itself; "
             "nothing was changed"
         )
-    report = verify(src)
-    if report.key_error is not None:
-        raise KeyProblem(
-            f"{report.key_error.message}; the backup {src} was not restored (`memvault --db "
-            f"{src} key import KIT` brings its key back)"
-        )
-    if not report.ok:
-        found = ", ".join(f"{kind} {n}" for kind, n in report.problems.items() if n)
-        raise OperationFailed(
-            f"the backup {src} does not verify ({found}); `memvault --db {src} verify` lists "
-            "the problems; nothing was changed"
-        )
+    report = verified_backup(src)
     return RestorePlan(
         source=str(src.absolute()),
         path=vault.path,

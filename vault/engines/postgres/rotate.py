@@ -45,7 +45,7 @@ from vault.keys import require_key
 from vault.results import Report
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+    from vault.engines.postgres.base import PgVaultBase as PgVault
 
 FROM, PROGRESS = ROTATING_FROM, "rotation_progress"
 # The next batch of rows after id $1, locked until its transaction ends (rotation, purge).

@@ -16,8 +16,11 @@ from typing import Any
 
 from vault import keyjournal
 from vault.engines.sqlite.schema import (
+    AUDIT_COLUMNS,
+    BACKUP_COLUMNS,
     FORMAT,
     GUARD_MESSAGE,
+    KEY_COLUMNS,
     KEY_STATES_SQL,
     MESSAGES_TABLE,
     PREVIOUS_FORMAT,
@@ -139,12 +142,9 @@ _guard_counts_json_members = _guard_requires_v
 def _audit(schema: str) -> list[str]:
     # Events and counts only: never content, never a session's items.
     return [
-        """CREATE TABLE memvault_audit (
+        f"""CREATE TABLE memvault_audit (
                id BIGSERIAL PRIMARY KEY,
-               at TEXT NOT NULL,
-               event TEXT NOT NULL,
-               kid TEXT,
-               details TEXT NOT NULL DEFAULT '{}'
+               {AUDIT_COLUMNS}
            )"""
     ]
 
@@ -152,13 +152,9 @@ def _audit(schema: str) -> list[str]:
 def _key_versions(schema: str) -> list[str]:
     # The journal of every key version (vault.keyjournal); `seq` orders it as SQLite's rowid.
     return [
-        """CREATE TABLE memvault_keys (
+        f"""CREATE TABLE memvault_keys (
                seq BIGSERIAL,
-               kid TEXT PRIMARY KEY,
-               state TEXT NOT NULL
-                   CHECK (state IN ('pending', 'current', 'retired', 'destroyed')),
-               created_at TEXT NOT NULL,
-               changed_at TEXT NOT NULL
+               {KEY_COLUMNS}
            )"""
     ]
 
@@ -169,12 +165,9 @@ def _retained_keys_and_backups(schema: str) -> list[str]:
         "ALTER TABLE memvault_keys DROP CONSTRAINT IF EXISTS memvault_keys_state_check",
         f"ALTER TABLE memvault_keys ADD CONSTRAINT memvault_keys_state_check "
         f"CHECK (state IN ({KEY_STATES_SQL}))",
-        """CREATE TABLE memvault_backups (
+        f"""CREATE TABLE memvault_backups (
                seq BIGSERIAL,
-               backup_id TEXT PRIMARY KEY,
-               path TEXT NOT NULL,
-               kid TEXT NOT NULL,
-               created_at TEXT NOT NULL
+               {BACKUP_COLUMNS}
            )""",
         f"UPDATE memvault_meta SET value = '{FORMAT}' "
         f"WHERE key = 'format' AND value = '{PREVIOUS_FORMAT}'",

@@ -31,13 +31,15 @@ from sqlalchemy.pool import NullPool
 
 from vault import crypto
 from vault.engines.postgres.conn import CONNECT_TIMEOUT, server_settings, translate
-from vault.engines.sqlite.db import lock_timeout, parse_ttl
+from vault.engines.sqlite.db import lock_timeout
 from vault.engines.sqlite.schema import GUARD_MESSAGE
 from vault.engines.sqlite.session import VaultSession
 from vault.errors import UnknownSession, VaultError
+from vault.vaultops import parse_ttl
 
 if TYPE_CHECKING:
-    from vault.engines.postgres.vault import PgVault
+    # The base, not PgVault: PgVault.session imports this module (no import circle).
+    from vault.engines.postgres.base import PgVaultBase as PgVault
 
 
 class VaultSQLAlchemySession(SQLAlchemySession):
@@ -98,14 +100,7 @@ class PgVaultSession(VaultSession):
         underlying = VaultSQLAlchemySession(
             session_id, engine=engine, create_tables=False, session_settings=session_settings
         )
-        EncryptedSession.__init__(
-            self,
-            session_id=session_id,
-            underlying_session=underlying,
-            encryption_key=sealer.master_key,
-            ttl=vault.ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
-        )
-        self._use(sealer)
+        self._start(session_id, underlying, sealer, vault.ttl)
 
     def _read_ttl(self, dbapi_connection: Any, _record: Any) -> None:
         cursor = dbapi_connection.cursor()

@@ -17,48 +17,47 @@ by its redacted URL.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import secrets
+import os
 import time
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from vault import crypto, durations
+from vault import crypto
 from vault.engines.postgres import admin as pgadmin
 from vault.engines.postgres import kept as pgkept
 from vault.engines.postgres import rotate as pgrotate
 from vault.engines.postgres import schema as pgschema
-from vault.engines.postgres.base import Keys, PgVaultBase
-from vault.engines.postgres.schema import audit, record_key
+from vault.engines.postgres.base import Keys
+from vault.engines.postgres.schema import audit
 from vault.engines.postgres.url import INSTALL_HINT, parse
-from vault.engines.sqlite.db import parse_ttl
-from vault.engines.sqlite.lifecycle import KeyVersionInfo
 from vault.engines.sqlite.schema import (
     DEFAULT_TTL,
     FORMAT,
     MESSAGES_TABLE,
     PREVIOUS_FORMAT,
     SESSIONS_TABLE,
-    utcnow,
 )
-from vault.engines.sqlite.vault import COUNTS_NOTE
 from vault.errors import (
     BadInput,
-    ItemsUnreadable,
-    KeyProblem,
-    KeyRevoked,
     NotAVault,
-    OperationFailed,
-    UnknownSession,
-    VaultBusy,
-    VaultError,
-    VaultExists,
 )
 from vault.files import Progress
-from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
-from vault.results import Cleared, Popped, Report, SessionInfo
+from vault.results import Cleared, KeyVersionInfo, Popped, Report, SessionInfo
+from vault.vaultops import (
+    key_state,
+    parse_ttl,
+    popped_item,
+    refuse_unreadable,
+    status_doc,
+    tally,
+)
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.importer import PgImporter
+    from vault.engines.postgres.read import PgVerifyReport
+    from vault.engines.sqlite.backup import BackupResult
 
 T = TypeVar("T")
 NOT_APPLICABLE = "not applicable: PostgreSQL"
@@ -76,10 +75,14 @@ PG_ROTATE_NOTE = (
 )
 
 
-class PgVault(pgkept.PgKeptVersions, PgVaultBase):
+class PgVault(pgkept.PgKeptVersions):
     """A vault in a PostgreSQL database or schema. Open with `PgVault.open` / `PgVault.init`."""
 
-    backend = "postgresql"
+    backup_note: str | None = (
+        "the copy is a vault file (SQLite) holding one snapshot of the PostgreSQL vault; "
+        "for a server-side backup use pg_dump"
+    )
+    stays = "rows"  # what a revoke leaves: other hosts keep their keyrings too
 
     # -- construction ---------------------------------------------------
     @classmethod
@@ -113,71 +116,16 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
     ) -> PgVault:
         """Create the tables and a random master key; refuse if a vault or the SDK's tables
         are already there."""
-        vault = cls(parse(url), keystore)
-        ks = vault.keystore
-        ks.check_usable()
-        key = crypto.generate_key()
-        kid = crypto.key_id(key)
-        vault_id = "mv-" + secrets.token_hex(12)
+        from vault.engines.postgres.create import create
 
-        async def create(conn: Any) -> None:
-            created = None
-            if vault.loc.schema:
-                # Shred drops only a schema init created, never one a DBA (or the server) made.
-                if not await conn.fetchval(
-                    "SELECT 1 FROM pg_namespace WHERE nspname = $1", vault.loc.schema
-                ):
-                    created = vault.loc.schema
-                await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {pgschema._q(vault.loc.schema)}")
-            await vault.refuse_unusable_schema(conn)
-            schema = await pgschema.current_schema(conn)
-            if schema is None:
-                raise OperationFailed(
-                    f"{vault.path} has no schema to create the vault in (the search_path "
-                    "names none that exists); add ?schema=NAME to the URL"
-                )
-            await pgschema.lock_schema_changes(conn, schema)
-            if await conn.fetchval("SELECT to_regclass('memvault_meta')") is not None:
-                raise VaultExists(
-                    f"a vault already exists in schema {schema!r} of {vault.path}; nothing was "
-                    "changed (`memvault status` describes it)"
-                )
-            for table in (SESSIONS_TABLE, MESSAGES_TABLE):
-                if await conn.fetchval("SELECT to_regclass($1)", table) is not None:
-                    raise VaultExists(
-                        f"schema {schema!r} of {vault.path} already has a {table} table that "
-                        "is not a memvault vault's; memvault will not take it over; give the "
-                        "vault a schema of its own with ?schema=NAME"
-                    )
-            # The key goes in first: a failure after it leaves an unused keyring entry
-            # (deleted below), never a vault without its key.
-            ks.set(entry_name(vault_id, kid), key)
-            await pgschema.migrate(conn, schema)
-            now = utcnow()
-            meta = {
-                "format": FORMAT,
-                "vault_id": vault_id,
-                "kid": kid,
-                "ttl_seconds": "never" if ttl is None else str(ttl),
-                "created_at": now,
-                "rotated_at": now,
-            }
-            if created:
-                meta["schema_created"] = created
-            await conn.executemany(
-                "INSERT INTO memvault_meta (key, value) VALUES ($1, $2)", list(meta.items())
-            )
-            await record_key(conn, kid, CURRENT)
-            await audit(conn, "init", kid, ttl=durations.format_duration(ttl))
+        return create(cls, url, ttl, keystore)
 
-        try:
-            vault.run(create, write=True)
-        except BaseException:
-            with contextlib.suppress(VaultError):
-                ks.delete(entry_name(vault_id, kid))
-            raise
-        vault._sealer = crypto.Sealer(key)
-        return vault
+    @classmethod
+    def verify(cls, url: str) -> PgVerifyReport:
+        """`memvault verify` on a URL, read-only (engines.postgres.read; no migration)."""
+        from vault.engines.postgres.read import verify
+
+        return verify(url)
 
     # -- reading --------------------------------------------------------
     async def _count(self, conn: Any, ttl: int | None, now: int | None) -> list[SessionInfo]:
@@ -204,65 +152,18 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
 
         async def read(conn: Any) -> list[SessionInfo]:
             meta = await self.read_meta(conn)
-            return await self._count(conn, parse_ttl(meta, self.path), now)  # type: ignore[arg-type]
+            return await self._count(conn, parse_ttl(meta, self.path), now)
 
         return self.run(read)
 
     def session_ids(self) -> list[str]:
         return [i.session_id for i in self.sessions()]
 
-    async def require_session(self, conn: Any, session_id: str) -> None:
-        found = await conn.fetchval(
-            f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = $1 UNION ALL "
-            f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = $1 LIMIT 1",
-            session_id,
-        )
-        if not found:
-            raise UnknownSession(
-                f"no session {session_id!r} in {self.path}; `memvault sessions` lists them"
-            )
-
     def items(
         self, session_id: str, limit: int | None = None, now: int | None = None
     ) -> tuple[list[Any], int, int]:
         """(readable items oldest first, expired count, unreadable count), as `Vault.items`."""
-        if limit is not None and limit <= 0:
-            raise OperationFailed("limit must be a positive number of items")
-        self.sealer()
-        for _attempt in range(50):
-
-            async def read(conn: Any) -> tuple[dict[str, str], int | None, list[str]]:
-                meta = await self.read_meta(conn)
-                await self.require_session(conn, session_id)
-                rows = await conn.fetch(
-                    f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = $1 "
-                    "ORDER BY created_at DESC, id DESC LIMIT $2",
-                    session_id,
-                    limit,
-                )
-                ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
-                return meta, ttl, [r[0] for r in rows][::-1]
-
-            # The kids are read in the rows' own snapshot: rows read after a rotation are
-            # opened with the new key, never judged unreadable under the old one, and
-            # during an online rotation each row with the key its envelope names.
-            meta, ttl, rows = self.run(read)
-            keys = self.keys_for(meta["kid"], meta.get(pgrotate.FROM))
-            if keys is None:
-                continue
-            out: list[Any] = []
-            expired = unreadable = 0
-            for data in rows:
-                sealer = keys.get(pgrotate.kid_of(data) or "", keys[meta["kid"]])
-                opened = sealer.open(session_id, data, ttl, now)
-                if opened.state is crypto.ItemState.READABLE:
-                    out.append(opened.item)
-                elif opened.state is crypto.ItemState.EXPIRED:
-                    expired += 1
-                else:
-                    unreadable += 1
-            return out, expired, unreadable
-        raise VaultBusy(f"{self.path} kept changing key while being read; try again")
+        return tally(self.opened_items(session_id, limit, now))
 
     def opened_items(
         self,
@@ -283,47 +184,28 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
             conn: Any,
         ) -> tuple[dict[str, str], str | None, list[SessionInfo], str | None]:
             meta = await self.read_meta(conn)
-            ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
+            ttl = parse_ttl(meta, self.path)
             schema, infos = await pgschema.current_schema(conn), await self._count(conn, ttl, now)
             return meta, schema, infos, await pgschema.last_rotation(conn, meta)
 
         meta, schema, infos, rotated = self.run(read)
-        ttl = parse_ttl(meta, self.path)  # type: ignore[arg-type]
-        out: dict[str, Any] = {
+        where: dict[str, Any] = {
             "backend": self.backend,
             "path": self.path,
             "schema": schema,
             "folder_mode": NOT_APPLICABLE,
             "files": {},
             "size": NOT_APPLICABLE,
-            "vault_id": meta["vault_id"],
-            "kid": meta["kid"],
-            "ttl": durations.format_duration(ttl),
-            "created_at": meta.get("created_at"),
-            "rotated_at": rotated,
             "scrub_pending": False,
             "shred_interrupted": False,
-            "keyring": None,
-            "key": None,
-            "sessions": len(infos),
-            "items": sum(i.items for i in infos),
-            "expired_unverified": sum(i.expired_unverified for i in infos),
-            "counts": COUNTS_NOTE,
         }
+        out = status_doc(meta, parse_ttl(meta, self.path), infos, rotated, where)
         if pgrotate.FROM in meta:  # an online rotation is running, or was cut off
             out["rotation"] = {
                 "from_kid": meta[pgrotate.FROM],
                 "done_through_id": int(meta.get(pgrotate.PROGRESS, "0")),
             }
-        try:
-            out["keyring"] = self.keystore.name
-            self.sealer()
-            out["key"] = "present and matching"
-        except KeyRevoked:
-            out["key"] = "key revoked"
-        except KeyProblem as exc:
-            out["key"] = "unusable"
-            out["key_problem"] = exc.message
+        key_state(out, lambda: self.keystore, self.sealer, lambda: False)
         return out
 
     def audit_log(self) -> list[dict[str, Any]]:
@@ -353,21 +235,14 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
                 is crypto.ItemState.UNREADABLE
                 for r in rows
             )
-            if unreadable and not include_unreadable:
-                raise ItemsUnreadable(
-                    f"{unreadable} item(s) of session {session_id!r} do not authenticate "
-                    "(tampered, corrupt or under another key); nothing was deleted; to "
-                    f"delete them too, on purpose: memvault clear {session_id} "
-                    "--include-unreadable",
-                    unreadable,
-                )
+            refuse_unreadable(session_id, unreadable, include_unreadable)
             status = await conn.execute(
                 f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = $1", session_id
             )
             n = int(status.split()[-1])
             await conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = $1", session_id)
             await audit(conn, "clear", current.kid, items=n, unreadable=unreadable)
-            return Cleared(n, unreadable, True)
+            return Cleared(n, unreadable, True, PG_SCRUB_NOTE)
 
         return self.change(body)
 
@@ -387,16 +262,43 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
             if row is None:
                 return None
             sealer = keys.get(pgrotate.kid_of(row[1]) or "", current)
-            opened = sealer.open(session_id, row[1], None)
-            if opened.state is not crypto.ItemState.READABLE:
-                raise OperationFailed(
-                    f"the newest item of session {session_id!r} does not authenticate "
-                    "(tampered, corrupt or under another key); nothing was removed"
-                )
+            item = popped_item(sealer, session_id, row[0], row[1])
             await conn.execute(f"DELETE FROM {MESSAGES_TABLE} WHERE id = $1", row[0])
-            return opened.item
+            return item
 
         return self.change(body)
+
+    def row_batches(self) -> Iterator[list[tuple[int, str, str]]]:
+        """Every item row in id order, a batch at a time, each batch read on its own."""
+        last = 0
+        while True:
+
+            async def read(conn: Any, last: int = last) -> list[tuple[int, str, str]]:
+                await self.read_meta(conn)
+                rows = await conn.fetch(
+                    f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+                    "WHERE id > $1 ORDER BY id LIMIT $2",
+                    last,
+                    pgrotate.DEFAULT_BATCH,
+                )
+                return [(r[0], r[1], r[2]) for r in rows]
+
+            batch = self.run(read)
+            if not batch:
+                return
+            yield batch
+            last = batch[-1][0]
+
+    def scrub(self) -> bool:
+        """Nothing of the vault's own to checkpoint: PostgreSQL reuses a deleted row's space
+        when it VACUUMs (PG_SCRUB_NOTE); True, as `clear` reports."""
+        return True
+
+    def backup(self, dest: str | os.PathLike[str]) -> BackupResult:
+        """A vault file (SQLite) holding one snapshot of this vault (engines.postgres.backup)."""
+        from vault.engines.postgres.backup import backup
+
+        return backup(self, dest)
 
     def count_items(self) -> int:
         async def read(conn: Any) -> int:
@@ -413,6 +315,7 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
         self.sealer()  # the key errors (missing, revoked) before any change
         report = self.call(lambda: pgrotate.rotate(self, progress, batch))
         assert report is not None  # None only when asked to resume alone
+        report.notes["scrub"] = PG_ROTATE_NOTE
         return report
 
     # -- admin (vault.engines.postgres.admin) -------------------------------------------
@@ -420,28 +323,50 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
         return pgadmin.purge(self, now, progress)
 
     def pop(self, session_id: str, n: int = 1) -> Popped:
-        return pgadmin.pop(self, session_id, n)
+        popped = pgadmin.pop(self, session_id, n)
+        popped.note = PG_SCRUB_NOTE
+        return popped
 
     def set_ttl(self, ttl: int | None) -> None:
         pgadmin.set_ttl(self, ttl)
 
     def revoke(self) -> dict[str, Any]:
-        return pgadmin.revoke(self)
+        r = pgadmin.revoke(self)
+        # The rows stay in the server, and other hosts keep their own keyrings.
+        r["other_hosts"] = (
+            "only this host's keyring entries were destroyed: run `memvault revoke --yes` "
+            "on every other host that holds the key"
+        )
+        return r
 
     def shred(self) -> dict[str, Any]:
-        return pgadmin.shred(self)
+        from vault.engines.postgres.shred import shred
+
+        return shred(self)
 
     def key_versions(self) -> list[KeyVersionInfo]:
         return pgadmin.key_versions(self)
 
-    def record(self, event: str, kid: str | None, **details: Any) -> None:
-        """Append one audit event in a transaction of its own."""
+    def settle_keyring(self) -> dict[str, list[str]]:
+        return {
+            # Another host rotated: the versions the vault destroyed leave this keyring too.
+            "destroyed_here": pgadmin.forget_destroyed(self),
+            # A rotation still under way needs its old key here until it ends.
+            "kept_until_rotation_ends": pgadmin.kept_for_rotation(self),
+        }
 
-        async def write(conn: Any) -> None:
-            await self.read_meta(conn)
-            await audit(conn, event, kid, **details)
+    def importer(
+        self,
+        source: str,
+        session_id: str | None = None,
+        sessions_table: str | None = None,
+        messages_table: str | None = None,
+        shred_source: bool = False,
+    ) -> PgImporter:
+        """What imports a plaintext SQLiteSession file here (engines.postgres.importer)."""
+        from vault.engines.postgres.importer import PgImporter
 
-        self.run(write, write=True)
+        return PgImporter(self, source, session_id, sessions_table, messages_table, shred_source)
 
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:

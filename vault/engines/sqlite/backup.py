@@ -28,15 +28,18 @@ import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vault import backupmark, paths, retention, targets, testhooks
 from vault.crypto import Sealer
 from vault.engines.sqlite.db import set_meta
 from vault.engines.sqlite.filecopy import Adjust, Copy, vacuum_copy
-from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
 from vault.keyjournal import DESTROYED, PENDING, ROTATING_FROM
+
+if TYPE_CHECKING:
+    # Not Vault: its `backup` imports this module (no import circle).
+    from vault.engines.sqlite.lifecycle import KeyLifecycle
 
 KEY_OK = "present and matching"
 KEY_UNUSABLE = "unusable"
@@ -125,30 +128,59 @@ def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
     ]
 
 
-def backup(vault: Vault, dest: str | os.PathLike[str]) -> BackupResult:
+def backup(vault: KeyLifecycle, dest: str | os.PathLike[str]) -> BackupResult:
     """Write a consistent copy of `vault` to the new file `dest` (0600).
 
     Raises BadInput for an unusable `dest`, KeyRevoked for a revoked vault,
     OperationFailed when the copy cannot be written (the partial file is removed).
     """
     meta = vault.settled_meta()  # a rotation under way or cut off is finished first
-    if "revoked_at" in meta:
-        raise KeyRevoked(
-            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; a "
-            "backup could never be read; nothing was written"
-        )
-    if "shred_started" in meta:
-        raise OperationFailed(
-            f"a shred of {vault.path} was interrupted; run `memvault shred` again to finish "
-            "it; nothing was written"
-        )
+    refuse_unbackable(meta, vault.path, "a backup could never be read")
     target = check_destination(dest, vault.path)
     mark = functools.partial(mark_as_backup, meta["vault_id"], source=str(vault.path))
-    rec, (kid, vault_id, sessions, items) = recorded_copy(
+    return recorded_backup(
         vault,
         target,
         lambda rec, keep: vacuum_copy(vault, target, mark(rec.backup_id), "backup", keep),
     )
+
+
+def refuse_unbackable(meta: dict[str, str], path: Path | str, revoked: str) -> None:
+    """Refuse a revoked or half-shredded vault (both engines' backup, PostgreSQL's restore;
+    `revoked` says why a revoked one is refused)."""
+    if "revoked_at" in meta:
+        raise KeyRevoked(
+            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; "
+            f"{revoked}; nothing was written"
+        )
+    if "shred_started" in meta:
+        raise OperationFailed(
+            f"a shred of {path} was interrupted; run `memvault shred` again to finish "
+            "it; nothing was written"
+        )
+
+
+class Backed(Protocol):
+    """What a backup asks of the live vault, a file or a PostgreSQL one."""
+
+    @property
+    def path(self) -> Path | str: ...
+    def sealer(self, refresh: bool = False) -> Sealer: ...
+    def backups(self) -> list[dict[str, Any]]: ...
+    def record(self, event: str, kid: str | None, **details: Any) -> None: ...
+    def record_backup(self, target: Path) -> retention.BackupRecord: ...
+    def settle_backup(self, rec: retention.BackupRecord, kid: str) -> str | None: ...
+    def drop_backup(self, rec: retention.BackupRecord) -> None: ...
+
+
+def recorded_backup(
+    vault: Backed,
+    target: Path,
+    make: Callable[[retention.BackupRecord, Callable[[str], None]], Copy],
+) -> BackupResult:
+    """A backup of `vault` at `target`, recorded, made by `make`, checked, audited; both
+    engines (`make` is the engine's copy: VACUUM INTO, or PostgreSQL's rows)."""
+    rec, (kid, vault_id, sessions, items) = recorded_copy(vault, target, make)
     testhooks.failpoint("backup-copied")
     # The key is checked, not needed: a copy of a vault whose key is missing is still
     # worth having (a recovery kit may hold the key). Checked after the copy, against

@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from vault import crypto, durations, erase, files, keyjournal, paths, targets, testhooks
-from vault.engines.sqlite.db import audit
+from vault.engines.sqlite.db import VaultFile, audit
+from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import FORMAT, SQLITE_MAGIC, migrate, utcnow
 from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
+from vault.vaultops import new_identity, new_meta
 
-if TYPE_CHECKING:
-    from vault.engines.sqlite.vault import Vault
+# The vault class `create` builds (sqlite.vault.Vault, which calls it: a type variable, so
+# that the two do not import each other).
+V = TypeVar("V", bound=KeyLifecycle)
 
 TEMP_TAG = "init"
 
@@ -82,9 +85,17 @@ def reclaim_interrupted(folder: Path, target: Path, keystore: KeyStore | None) -
 
 
 def create(
-    cls: type[Vault], db: str | os.PathLike[str] | None, ttl: int | None, keystore: KeyStore | None
-) -> Vault:
-    """Create the vault file and its random master key; refuse if anything is there."""
+    cls: type[V],
+    opens: Callable[[Path, KeyStore | None], object],
+    db: str | os.PathLike[str] | None,
+    ttl: int | None,
+    keystore: KeyStore | None,
+) -> V:
+    """Create the vault file and its random master key; refuse if anything is there.
+
+    `opens(path, keystore)` opens an existing vault (`Vault.open`): it tells a vault
+    already there from a file that is none.
+    """
     path = paths.resolve_db_path(db)
     folder = path.absolute().parent
     if folder.is_dir():
@@ -92,7 +103,7 @@ def create(
     if path.exists():
         files.require_regular(path)  # a FIFO, device or folder: exit 3 without opening it
         try:
-            cls.open(path, keystore)
+            opens(path, keystore)
         except NotAVault:
             raise VaultExists(
                 f"{path} already exists and is not a memvault vault; memvault will not "
@@ -113,10 +124,7 @@ def create(
             f"{leftovers[0]} exists without its database; move it away before creating a vault here"
         )
     ks = keystore or KeyStore()
-    ks.check_usable()
-    key = crypto.generate_key()
-    kid = crypto.key_id(key)
-    vault_id = "mv-" + secrets.token_hex(12)
+    key, kid, vault_id = new_identity(ks)
     try:
         paths.ensure_private_folder(folder)
         fd, tmp = files.create_temp(folder, TEMP_TAG, _token(vault_id, kid))
@@ -169,22 +177,14 @@ def create(
     return vault
 
 
-def _build(vault: Vault, vault_id: str, kid: str, ttl: int | None) -> None:
+def _build(vault: VaultFile, vault_id: str, kid: str, ttl: int | None) -> None:
     """The new vault's tables and meta, in its temporary file, committed."""
     with vault.connection() as conn:
         # Kept by the file; SQLite refuses to change it inside a transaction.
         conn.execute("PRAGMA journal_mode = WAL")
     with vault.write_transaction() as conn:
         migrate(conn)
-        now = utcnow()
-        meta = {
-            "format": FORMAT,
-            "vault_id": vault_id,
-            "kid": kid,
-            "ttl_seconds": "never" if ttl is None else str(ttl),
-            "created_at": now,
-            "rotated_at": now,
-        }
+        meta = new_meta(FORMAT, vault_id, kid, ttl, utcnow())
         conn.executemany("INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items())
         keyjournal.record(conn, kid, CURRENT)
         audit(conn, "init", kid, ttl=durations.format_duration(ttl))

@@ -1,7 +1,6 @@
-"""SQLite connections to a vault file, their errors, and the meta and audit rows.
+"""A vault file: its header check, its meta and audit rows, and `VaultFile`.
 
-Every connection to a vault is made by `connect` (pragmas included), every
-SQLite error becomes one `VaultError` in `translate`, and every change opens
+Connections and SQLite's errors are vault.engines.sqlite.conn's; every change opens
 its transaction with `VaultFile.write_transaction`. A file is checked with
 `check_header` before SQLite opens (and possibly writes) anything.
 """
@@ -10,17 +9,29 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
 import sqlite3
-import sys
 import time
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from vault import files, paths, testhooks
+from vault.engines.sqlite.conn import (
+    DEFAULT_LOCK_TIMEOUT,
+    ENV_LOCK_TIMEOUT,
+    MAX_LOCK_TIMEOUT,
+    configure,
+    connect,
+    error_name,
+    is_busy,
+    is_damage,
+    keep_temp_in_memory,
+    lock_exclusively,
+    lock_timeout,
+    peek,
+    sqlite_errors,
+    translate,
+)
 from vault.engines.sqlite.schema import (
     GUARD_MESSAGE,
     MESSAGES_TABLE,
@@ -28,168 +39,44 @@ from vault.engines.sqlite.schema import (
     SQLITE_MAGIC,
     utcnow,
 )
-from vault.errors import BadInput, NotAVault, OperationFailed, VaultBusy, VaultCorrupt, VaultError
+from vault.errors import NotAVault, OperationFailed, VaultCorrupt
+from vault.vaultops import MetaKeys, parse_ttl
 
-ENV_LOCK_TIMEOUT = "MEMVAULT_LOCK_TIMEOUT"
-DEFAULT_LOCK_TIMEOUT = 120.0
-# One day: SQLite takes the timeout in milliseconds as a C int; far larger values overflow.
-MAX_LOCK_TIMEOUT = 86400.0
+# Connections and their errors are sqlite.conn's, importable from here as they always were.
+__all__ = [
+    "BATCH_ROWS",
+    "DEFAULT_LOCK_TIMEOUT",
+    "ENV_LOCK_TIMEOUT",
+    "MAX_LOCK_TIMEOUT",
+    "SCRUB_PATIENCE",
+    "SCRUB_WAIT",
+    "VaultFile",
+    "audit",
+    "check_header",
+    "configure",
+    "connect",
+    "error_name",
+    "is_busy",
+    "is_damage",
+    "keep_temp_in_memory",
+    "lock_exclusively",
+    "lock_timeout",
+    "parse_ttl",
+    "peek",
+    "read_header",
+    "read_meta",
+    "refuse_odd_side_files",
+    "row_batches",
+    "set_meta",
+    "sqlite_errors",
+    "translate",
+]
+
 # Checkpoints wait this long for readers before the scrub reports itself incomplete.
 SCRUB_WAIT = 2.0
 # ... and try again, for this long at most, as long as each attempt gets further
 # (writers and other checkpoints delay it; a reader's snapshot pins it).
 SCRUB_PATIENCE = 30.0
-
-
-def lock_timeout() -> float:
-    """How long writers wait for the write lock (rotations can take a while).
-
-    A set but unusable `$MEMVAULT_LOCK_TIMEOUT` is refused (exit 2) instead of being
-    ignored: a typo must not turn a short timeout into the two-minute default.
-    """
-    raw = os.environ.get(ENV_LOCK_TIMEOUT)
-    if not raw:
-        return DEFAULT_LOCK_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (0 <= value <= MAX_LOCK_TIMEOUT):  # also refuses nan and inf
-        raise BadInput(
-            f"{ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds between 0 and "
-            f"{MAX_LOCK_TIMEOUT:.0f}; fix or unset it; nothing was changed"
-        )
-    return value
-
-
-# --------------------------------------------------------------------------
-# Connections and error translation
-# --------------------------------------------------------------------------
-def keep_temp_in_memory(conn: sqlite3.Connection) -> None:
-    """No temporary file (a sort, an index build) ever holds vault bytes or plaintext:
-    for every connection memvault opens, to a vault, an import source or memory."""
-    conn.execute("PRAGMA temp_store = MEMORY")
-
-
-def peek(path: Path, timeout: float) -> sqlite3.Connection:
-    """A read-only SQLite connection to a database file that never creates one.
-
-    SQLite's mode=ro cannot create the database, but does create a WAL file's `-wal`
-    and `-shm` for a reader when they are missing (a file closed cleanly has none);
-    then the file is opened `immutable`: with no `-wal`, every committed row is in
-    the file itself. A writer starting between the check and the read may make the
-    read fail or, at worst, leave the two files a reader creates.
-    """
-    wal, shm = (Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))
-    live = os.path.exists(wal) and os.path.exists(shm)
-    uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if live else "?mode=ro&immutable=1")
-    conn = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
-    keep_temp_in_memory(conn)
-    return conn
-
-
-def lock_exclusively(conn: sqlite3.Connection, path: Path, then: str) -> None:
-    """Begin a transaction holding the file's exclusive lock until `conn` closes.
-
-    In exclusive locking mode the lock outlives every commit, and it cannot be taken
-    while any other connection has the file open: VaultBusy (exit 5) then says what
-    the user does `then` ("run shred again; nothing was destroyed").
-    """
-    conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-    try:
-        conn.execute("BEGIN EXCLUSIVE")
-    except sqlite3.OperationalError as exc:
-        if is_busy(exc):
-            raise VaultBusy(
-                f"{path} is in use by another process; close the agents and commands using "
-                f"it, then {then}"
-            ) from None
-        raise
-
-
-def configure(conn: sqlite3.Connection, timeout: float) -> None:
-    """Pragmas every vault connection uses (the SDK session's connections too)."""
-    conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-    conn.execute("PRAGMA secure_delete = ON")  # deleted cells and pages are zeroed
-    keep_temp_in_memory(conn)
-    conn.execute("PRAGMA synchronous = FULL")
-    if sys.platform == "darwin":
-        conn.execute("PRAGMA fullfsync = ON")
-
-
-def connect(path: Path, timeout: float | None = None) -> sqlite3.Connection:
-    """Open an existing file read-write; never creates one (mode=rw)."""
-    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=rw"
-    t = lock_timeout() if timeout is None else timeout
-    conn = sqlite3.connect(uri, uri=True, timeout=t, isolation_level=None, check_same_thread=False)
-    try:
-        configure(conn, t)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def error_name(exc: sqlite3.Error) -> str:
-    """SQLite's primary result code for `exc`: "SQLITE_BUSY" for SQLITE_BUSY_SNAPSHOT.
-
-    Errors are classified by code, never by message text (which varies between
-    SQLite builds). "" for an error the sqlite3 module raised itself (a closed
-    connection, a bad parameter), which carries no code.
-    """
-    name = getattr(exc, "sqlite_errorname", None) or ""
-    # Extended codes are the primary name plus a suffix (SQLITE_IOERR_SHORT_READ).
-    return "_".join(name.split("_")[:2])
-
-
-def is_busy(exc: sqlite3.Error) -> bool:
-    """Another connection holds a lock this one needs."""
-    return error_name(exc) in ("SQLITE_BUSY", "SQLITE_LOCKED")
-
-
-def is_damage(exc: sqlite3.Error) -> bool:
-    """SQLite cannot parse the file (damaged, truncated, or no database at all)."""
-    return error_name(exc) in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
-
-
-def translate(exc: sqlite3.Error, path: Path) -> VaultError:
-    """One user-facing error for each way SQLite can fail on a vault file."""
-    text = str(exc)
-    name = error_name(exc)
-    if name == "SQLITE_NOTADB":
-        return NotAVault(
-            f"{path} is not a SQLite database, so it is not a memvault vault; "
-            "point --db or MEMVAULT_DB at your vault"
-        )
-    if name == "SQLITE_CORRUPT":
-        return VaultCorrupt(
-            f"{path} is damaged ({text}); nothing was changed; restore the vault from a backup"
-        )
-    if is_busy(exc):
-        return VaultBusy(
-            f"{path} is busy: another process holds its lock ({text}); wait for "
-            f"it to finish, or raise {ENV_LOCK_TIMEOUT} (seconds)"
-        )
-    if name in ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_AUTH"):
-        return OperationFailed(
-            f"cannot write to {path} or its folder ({text}); check the "
-            "permissions of the file and its folder; nothing was changed"
-        )
-    if name in ("SQLITE_IOERR", "SQLITE_FULL"):
-        return OperationFailed(
-            f"I/O error on {path} ({text}); check the disk; the last committed state is intact"
-        )
-    if GUARD_MESSAGE in text:  # our own trigger's refusal (SQLITE_CONSTRAINT_TRIGGER)
-        return OperationFailed(f"{text}; nothing was stored")
-    return OperationFailed(f"SQLite error on {path}: {text}")
-
-
-@contextlib.contextmanager
-def sqlite_errors(path: Path) -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.Error as exc:
-        raise translate(exc, path) from exc
 
 
 # --------------------------------------------------------------------------
@@ -301,23 +188,6 @@ def read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
     return meta
 
 
-def parse_ttl(meta: dict[str, str], path: Path) -> int | None:
-    """The vault's TTL in seconds (None: never), or VaultCorrupt for a value no command wrote."""
-    raw = meta.get("ttl_seconds", "never")
-    if raw == "never":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise VaultCorrupt(
-            f"{path} has an invalid TTL {raw[:40]!r} in memvault_meta; nothing was read; "
-            "set it again with `memvault ttl 30d` (or `never`)"
-        )
-    return value
-
-
 def set_meta(conn: sqlite3.Connection, **values: str) -> None:
     conn.executemany(
         "INSERT INTO memvault_meta (key, value) VALUES (?, ?) "
@@ -337,12 +207,16 @@ def audit(conn: sqlite3.Connection, event: str, kid: str | None, **details: Any)
 # --------------------------------------------------------------------------
 # One vault file
 # --------------------------------------------------------------------------
-class VaultFile:
+class VaultFile(MetaKeys):
     """A vault file: its connections, its one transaction opener, meta, audit and scrub.
 
     The key lifecycle (`sqlite.lifecycle`) and the vault's operations (`sqlite.vault`)
     build on it.
     """
+
+    path: Path
+    backend = "sqlite"
+    guard_message = GUARD_MESSAGE  # what the file's triggers say when they refuse a row
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -379,14 +253,6 @@ class VaultFile:
         with self.connection() as conn:
             return read_meta(conn, self.path)
 
-    @property
-    def vault_id(self) -> str:
-        return self.meta()["vault_id"]
-
-    @property
-    def ttl(self) -> int | None:
-        return parse_ttl(self.meta(), self.path)
-
     def record(self, event: str, kid: str | None, **details: Any) -> None:
         """Append one audit event in a transaction of its own."""
         with self.write_transaction() as conn:
@@ -400,6 +266,22 @@ class VaultFile:
                     "SELECT at, event, kid, details FROM memvault_audit ORDER BY id"
                 )
             ]
+
+    def row_batches(self) -> Iterator[list[tuple[int, str, str]]]:
+        """Every item row, BATCH_ROWS at a time, from one snapshot (`row_batches` below)."""
+        with self.connection() as conn:
+            conn.execute("BEGIN")  # deferred: the first SELECT fixes the snapshot
+            yield from row_batches(conn)
+
+    def scrub_after_delete(self) -> bool:
+        """Scrub after rows were deleted elsewhere (the agent session's pop).
+
+        Marked pending first, so that a scrub kept from finishing by a reader is
+        finished by the next open.
+        """
+        with self.write_transaction() as conn:
+            set_meta(conn, scrub_pending="1")
+        return self.scrub()
 
     def scrub(self) -> bool:
         """Checkpoint the WAL (TRUNCATE) so no replaced or deleted bytes remain.

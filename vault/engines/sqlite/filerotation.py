@@ -22,8 +22,9 @@ import os
 import socket
 import sqlite3
 import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from vault import crypto, keyjournal, rotation, testhooks
 from vault.engines.sqlite.db import audit, read_meta, set_meta
@@ -34,7 +35,32 @@ from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
 
 if TYPE_CHECKING:
-    from vault.engines.sqlite.lifecycle import KeyLifecycle
+    from vault.keys import KeyStore
+
+
+class KeyLifecycle(Protocol):
+    """What a rotation asks of the file vault (`lifecycle.KeyLifecycle`, which imports this
+    module: a Protocol here, so that the two do not import each other)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def keystore(self) -> KeyStore: ...
+
+    @property
+    def ttl(self) -> int | None: ...
+
+    def sealer(self, refresh: bool = False) -> crypto.Sealer: ...
+
+    def connection(
+        self, timeout: float | None = None
+    ) -> AbstractContextManager[sqlite3.Connection]: ...
+
+    def write_transaction(
+        self, timeout: float | None = None
+    ) -> AbstractContextManager[sqlite3.Connection]: ...
+
 
 FROM, PROGRESS, OWNER = ROTATING_FROM, "rotation_progress", "rotation_owner"
 _running = 0  # rotations moving rows in this process now (threads)

@@ -7,7 +7,6 @@ stays readable. PostgreSQL's twins are in vault.engines.postgres.admin.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +14,7 @@ from vault import keyjournal, retention, testhooks
 from vault.engines.sqlite.db import VaultFile, audit, read_meta
 from vault.errors import BadInput, KeyRevoked
 from vault.keyjournal import DESTROYED, RETAINED, entry_name
-from vault.keys import KeyStore
-
-
-@dataclass(frozen=True)
-class KeyVersionInfo:
-    """One line of `memvault key list`: never the key itself."""
-
-    kid: str
-    state: str
-    in_keyring: bool
-    created_at: str | None
-    backups: tuple[dict[str, Any], ...] = ()  # the recorded backups that use it
+from vault.results import KeyVersionInfo
 
 
 def refuse_revoked(meta: dict[str, str]) -> None:
@@ -39,10 +27,6 @@ def refuse_revoked(meta: dict[str, str]) -> None:
 
 class KeptVersions(VaultFile):
     """What a file vault keeps for its backups; `KeyLifecycle` adds the keys themselves."""
-
-    @property
-    def keystore(self) -> KeyStore:  # pragma: no cover (KeyLifecycle's)
-        raise NotImplementedError
 
     def backups(self) -> list[dict[str, Any]]:
         """Every recorded backup, whether it is there, and whether it opens here."""

@@ -33,9 +33,6 @@ from vault.engines.sqlite import filerotation, legacy
 from vault.engines.sqlite.db import audit, read_meta, set_meta
 from vault.engines.sqlite.keptkeys import KeptVersions
 from vault.engines.sqlite.keptkeys import (
-    KeyVersionInfo as KeyVersionInfo,  # re-exported: the engines' `key list`
-)
-from vault.engines.sqlite.keptkeys import (
     refuse_revoked as refuse_revoked,  # re-exported: both engines refuse
 )
 from vault.engines.sqlite.keptkeys import (
@@ -54,7 +51,7 @@ from vault.keyjournal import (
     entry_name,
 )
 from vault.keys import KeyStore, require_key
-from vault.results import Report
+from vault.results import KeyVersionInfo, Report
 
 
 class KeyLifecycle(KeptVersions):
@@ -65,12 +62,6 @@ class KeyLifecycle(KeptVersions):
         self._keystore = keystore
         self._sealer: crypto.Sealer | None = None
         self._rotation_committed = False  # read when Ctrl-C interrupts a rotation
-
-    @property
-    def keystore(self) -> KeyStore:
-        if self._keystore is None:
-            self._keystore = KeyStore()
-        return self._keystore
 
     def journal(self) -> tuple[dict[str, str], list[keyjournal.KeyVersion]]:
         """The meta and the key versions, from one snapshot."""

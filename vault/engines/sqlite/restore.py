@@ -55,7 +55,7 @@ from vault.engines.sqlite.restorestate import (
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
-from vault.verify import verify
+from vault.verify import VerifyReport, verify
 
 # The replaced vault's key versions enter the restored journal as retained: kept,
 # decrypt-only while the backups the replaced vault recorded (copied over too) need
@@ -81,6 +81,24 @@ class RestorePlan:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def verified_backup(src: Path) -> VerifyReport:
+    """`verify`'s report of the backup to restore, every item authenticated under a key
+    this keyring holds, or the refusal (both engines' restore)."""
+    report = verify(src)
+    if report.key_error is not None:
+        raise KeyProblem(
+            f"{report.key_error.message}; the backup {src} was not restored (`memvault --db "
+            f"{src} key import KIT` brings its key back)"
+        )
+    if not report.ok:
+        found = ", ".join(f"{kind} {n}" for kind, n in report.problems.items() if n)
+        raise OperationFailed(
+            f"the backup {src} does not verify ({found}); `memvault --db {src} verify` lists "
+            "the problems; nothing was changed"
+        )
+    return report
 
 
 def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> RestorePlan:
@@ -114,18 +132,7 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
             )
     if not os.path.lexists(live):
         refuse_a_twin(src, meta)
-    report = verify(src)
-    if report.key_error is not None:
-        raise KeyProblem(
-            f"{report.key_error.message}; the backup {src} was not restored (`memvault --db "
-            f"{src} key import KIT` brings its key back)"
-        )
-    if not report.ok:
-        found = ", ".join(f"{kind} {n}" for kind, n in report.problems.items() if n)
-        raise OperationFailed(
-            f"the backup {src} does not verify ({found}); `memvault --db {src} verify` lists "
-            "the problems; nothing was changed"
-        )
+    report = verified_backup(src)
     plan = RestorePlan(
         source=str(src.absolute()),
         path=str(live),

@@ -23,6 +23,30 @@ LEGACY_FORMAT = "memvault/1"
 DEFAULT_TTL = 30 * 86400
 SESSIONS_TABLE = "agent_sessions"
 MESSAGES_TABLE = "agent_messages"
+
+
+# The audit trail's and the key journal's columns, the same in both engines' tables (the
+# PostgreSQL ones add their own id column: vault.engines.postgres.schema).
+AUDIT_COLUMNS = """at TEXT NOT NULL,
+               event TEXT NOT NULL,
+               kid TEXT,
+               details TEXT NOT NULL DEFAULT '{}'"""
+KEY_COLUMNS = """kid TEXT PRIMARY KEY,
+               state TEXT NOT NULL
+                   CHECK (state IN ('pending', 'current', 'retired', 'destroyed')),
+               created_at TEXT NOT NULL,
+               changed_at TEXT NOT NULL"""
+
+
+def session_exists_sql(p: str) -> str:
+    """A row if the session is in the vault (its own row, or items without one); `p` is
+    the engine's placeholder for its id, bound to each of the two (`?`, or `$1` once)."""
+    return (
+        f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = {p} UNION ALL "
+        f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = {p} LIMIT 1"
+    )
+
+
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # A shred in progress stamps the file so that a second run recognises and finishes it.
 SHRED_MAGIC = b"memvault-shred\x00\x00"
@@ -128,12 +152,9 @@ def m003_guard_triggers(conn: sqlite3.Connection) -> None:
 def m004_audit(conn: sqlite3.Connection) -> None:
     # Events and counts only: never content, never a session's items.
     conn.execute(
-        """CREATE TABLE IF NOT EXISTS memvault_audit (
+        f"""CREATE TABLE IF NOT EXISTS memvault_audit (
                id INTEGER PRIMARY KEY AUTOINCREMENT,
-               at TEXT NOT NULL,
-               event TEXT NOT NULL,
-               kid TEXT,
-               details TEXT NOT NULL DEFAULT '{}'
+               {AUDIT_COLUMNS}
            )"""
     )
 
@@ -142,12 +163,8 @@ def m004_audit(conn: sqlite3.Connection) -> None:
 def m005_key_versions(conn: sqlite3.Connection) -> None:
     # The journal of every key version the file used or staged (vault.keyjournal).
     conn.execute(
-        """CREATE TABLE IF NOT EXISTS memvault_keys (
-               kid TEXT PRIMARY KEY,
-               state TEXT NOT NULL
-                   CHECK (state IN ('pending', 'current', 'retired', 'destroyed')),
-               created_at TEXT NOT NULL,
-               changed_at TEXT NOT NULL
+        f"""CREATE TABLE IF NOT EXISTS memvault_keys (
+               {KEY_COLUMNS}
            )"""
     )
 
@@ -291,11 +308,12 @@ KEY_STATES_SQL = "'pending', 'current', 'retired', 'retained', 'destroyed'"
 # Every backup made of this vault: where it was written (an absolute path), the key it
 # uses, and the random id also written into the backup's own meta, which tells a
 # backup that was replaced from one that is still there.
-BACKUPS_TABLE_SQL = """CREATE TABLE IF NOT EXISTS memvault_backups (
-               backup_id TEXT PRIMARY KEY,
+BACKUP_COLUMNS = """backup_id TEXT PRIMARY KEY,
                path TEXT NOT NULL,
                kid TEXT NOT NULL,
-               created_at TEXT NOT NULL
+               created_at TEXT NOT NULL"""
+BACKUPS_TABLE_SQL = f"""CREATE TABLE IF NOT EXISTS memvault_backups (
+               {BACKUP_COLUMNS}
            )"""
 
 

@@ -68,7 +68,7 @@ from vault.errors import NotAVault, UnknownSession, VaultError
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from vault.engines.sqlite.vault import Vault
+    from vault.engine import SessionVault as Vault
 
 
 # Stands for "never expires" where the SDK needs a number of seconds.
@@ -243,14 +243,19 @@ class VaultSession(EncryptedSession):
         self._backup_meta = meta if is_backup(meta) else None
         self._db_path: Path = vault.path
         underlying = VaultSQLiteSession(session_id, vault.path, session_settings)
-        super().__init__(
+        self._start(session_id, underlying, sealer, vault.ttl)
+        underlying.on_change = self._on_change
+
+    def _start(self, session_id: str, underlying: Any, sealer: Any, ttl: int | None) -> None:
+        """EncryptedSession over `underlying` under the current key (both engines)."""
+        EncryptedSession.__init__(
+            self,
             session_id=session_id,
             underlying_session=underlying,
             encryption_key=sealer.master_key,
-            ttl=vault.ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
+            ttl=ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
         )
         self._use(sealer)
-        underlying.on_change = self._on_change
 
     def _use(self, sealer: Any) -> None:
         self.cipher = sealer.fernet(self.session_id)

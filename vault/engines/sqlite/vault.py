@@ -19,10 +19,11 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from vault import backupmark, crypto, durations, paths, testhooks
+from vault import backupmark, crypto, paths, testhooks
 from vault.engines.sqlite import restorestate
+from vault.engines.sqlite.counts import count_sessions, file_status
 from vault.engines.sqlite.db import (
     audit,
     check_header,
@@ -37,33 +38,32 @@ from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import (
     DEFAULT_TTL,
     FORMAT,
-    ITEM_TIME,
-    ITEM_WINDOW,
-    ITEM_WINDOW_INDEX,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
     PREVIOUS_FORMAT,
-    ROTATION_LOGGED,
     SESSIONS_TABLE,
-    WINDOW_SECONDS,
-    last_rotation,
     migrate,
     needs_migration,
-    window_start,
+    session_exists_sql,
 )
 from vault.engines.sqlite.shred import shred, shred_target
 from vault.errors import (
-    ItemsUnreadable,
-    KeyProblem,
-    KeyRevoked,
     NotAVault,
     OperationFailed,
-    UnknownSession,
     VaultBusy,
 )
 from vault.files import Progress
 from vault.keys import KeyStore
 from vault.results import Cleared, Popped, Report, SessionInfo
+from vault.vaultops import (
+    check_limit,
+    open_rows,
+    popped_item,
+    refuse_unreadable,
+    tally,
+    ttl_value,
+    unknown_session,
+)
 
 # The library's entry points. DEFAULT_TTL, Progress, lock_timeout and the shred functions
 # also stay importable from here, as they were before they got modules of their own.
@@ -80,13 +80,12 @@ __all__ = [
     "shred_target",
 ]
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from vault.engines.sqlite.backup import BackupResult
+    from vault.importer import Importer
+    from vault.verify import VerifyReport
 
-# What `status` says of its counts (and `sessions` of its columns): they come from SQL.
-COUNTS_NOTE = (
-    "unverified: items counted and judged expired by their timestamps, without "
-    "authenticating them; `memvault verify` authenticates every item"
-)
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------
@@ -98,6 +97,9 @@ class Vault(KeyLifecycle):
     Its key (sealer, rotate, revoke) comes from `KeyLifecycle`; its connections,
     transactions, meta, audit and scrub from `VaultFile` (vault.engines.sqlite.db).
     """
+
+    backup_note: str | None = None  # nothing to add: the copy is a file like this one
+    stays = "file"  # what a revoke leaves
 
     # -- construction ---------------------------------------------------
     @classmethod
@@ -113,7 +115,7 @@ class Vault(KeyLifecycle):
         """
         from vault.engines.sqlite.create import create
 
-        return create(cls, db, ttl, keystore)
+        return create(cls, cls.open, db, ttl, keystore)
 
     @classmethod
     def open(
@@ -141,6 +143,13 @@ class Vault(KeyLifecycle):
             # reader keeps it from finishing, `scrub_pending` stays set for the next open.
             vault.scrub()
         return vault
+
+    @classmethod
+    def verify(cls, db: str | os.PathLike[str] | None = None) -> VerifyReport:
+        """`memvault verify`: every check, read-only (vault.verify; no migration, no scrub)."""
+        from vault.verify import verify
+
+        return verify(db)
 
     # -- reading --------------------------------------------------------
     def session_ids(self) -> list[str]:
@@ -194,59 +203,15 @@ class Vault(KeyLifecycle):
         with self.connection() as conn:
             conn.execute("BEGIN")  # deferred: one snapshot for the meta and the counts
             meta = read_meta(conn, self.path)
-            return self._count(conn, parse_ttl(meta, self.path), now)
-
-    def _count(
-        self, conn: sqlite3.Connection, ttl: int | None, now: int | None
-    ) -> list[SessionInfo]:
-        infos: dict[str, SessionInfo] = {}
-        for sid, updated in conn.execute(f"SELECT session_id, updated_at FROM {SESSIONS_TABLE}"):
-            infos[sid] = SessionInfo(sid, 0, updated_at=updated)
-        # Both read the SDK's (session_id, id) index and ours: never the rows themselves.
-        for sid, n in conn.execute(
-            f"SELECT session_id, count(*) FROM {MESSAGES_TABLE} GROUP BY session_id"
-        ):
-            infos.setdefault(sid, SessionInfo(sid, 0)).items = n
-        if ttl is not None:
-            cutoff = (int(time.time()) if now is None else now) - ttl
-            for info in infos.values():
-                if info.items:
-                    info.expired_unverified = self._count_expired(conn, info.session_id, cutoff)
-        return sorted(infos.values(), key=lambda i: i.session_id)
-
-    @staticmethod
-    def _count_expired(conn: sqlite3.Connection, session_id: str, cutoff: int) -> int:
-        """Items whose token claims a time before `cutoff`: whole windows of the index,
-        and the rows themselves only in the window that holds the cut-off."""
-        expired = 0
-        for chars, n in conn.execute(
-            f"SELECT {ITEM_WINDOW}, count(*) FROM {MESSAGES_TABLE} INDEXED BY {ITEM_WINDOW_INDEX} "
-            "WHERE session_id = ? GROUP BY 1",
-            (session_id,),
-        ).fetchall():
-            start = window_start(chars)
-            if start is None or start >= cutoff:
-                continue
-            if start + WINDOW_SECONDS <= cutoff:
-                expired += n
-            else:
-                expired += conn.execute(
-                    f"SELECT count(*) FROM {MESSAGES_TABLE} INDEXED BY {ITEM_WINDOW_INDEX} "
-                    f"WHERE session_id = ? AND {ITEM_WINDOW} = ? AND {ITEM_TIME} < ?",
-                    (session_id, chars, cutoff),
-                ).fetchone()[0]
-        return expired
+            return count_sessions(conn, parse_ttl(meta, self.path), now)
 
     def _require_session(self, conn: sqlite3.Connection, session_id: str) -> None:
         found = conn.execute(
-            f"SELECT 1 FROM {SESSIONS_TABLE} WHERE session_id = ? UNION ALL "
-            f"SELECT 1 FROM {MESSAGES_TABLE} WHERE session_id = ? LIMIT 1",
+            session_exists_sql("?"),
             (session_id, session_id),
         ).fetchone()
         if not found:
-            raise UnknownSession(
-                f"no session {session_id!r} in {self.path}; `memvault sessions` lists them"
-            )
+            raise unknown_session(session_id, self.path)
 
     def items(
         self, session_id: str, limit: int | None = None, now: int | None = None
@@ -255,16 +220,7 @@ class Vault(KeyLifecycle):
 
         With `limit`, the newest `limit` stored rows are considered, as the SDK does.
         """
-        out: list[Any] = []
-        expired = unreadable = 0
-        for opened in self.opened_items(session_id, limit, now):
-            if opened.state is crypto.ItemState.READABLE:
-                out.append(opened.item)
-            elif opened.state is crypto.ItemState.EXPIRED:
-                expired += 1
-            else:
-                unreadable += 1
-        return out, expired, unreadable
+        return tally(self.opened_items(session_id, limit, now))
 
     def opened_items(
         self,
@@ -280,8 +236,7 @@ class Vault(KeyLifecycle):
         so a caller streaming a long session holds one plaintext item at a time. With
         `include_expired`, an expired item is decrypted too and keeps its EXPIRED state.
         """
-        if limit is not None and limit <= 0:
-            raise OperationFailed("limit must be a positive number of items")
+        check_limit(limit)
 
         def read(
             conn: sqlite3.Connection, sealer: crypto.Sealer, ttl: int | None
@@ -295,68 +250,11 @@ class Vault(KeyLifecycle):
             return sealer, ttl, [r[0] for r in conn.execute(sql, args)][::-1]
 
         sealer, ttl, rows = self._snapshot(read)
-
-        def opened() -> Iterator[crypto.Opened]:
-            for data in rows:
-                item = sealer.open(session_id, data, ttl, now)
-                if include_expired and item.state is crypto.ItemState.EXPIRED:
-                    item = sealer.open(session_id, data, None)  # authenticated, TTL not applied
-                    if item.state is crypto.ItemState.READABLE:
-                        item = crypto.Opened(crypto.ItemState.EXPIRED, item.item, item.timestamp)
-                yield item
-
-        return opened()
+        return open_rows(lambda _data: sealer, session_id, rows, ttl, now, include_expired)
 
     def status(self, now: int | None = None) -> dict[str, Any]:
         """What `memvault status` shows; its counts are `sessions()`'s, unverified."""
-        with self.connection() as conn:
-            conn.execute("BEGIN")  # one snapshot for the meta and every count
-            meta = read_meta(conn, self.path)
-            ttl = parse_ttl(meta, self.path)
-            infos = self._count(conn, ttl, now)
-            rotated = last_rotation(meta, conn.execute(ROTATION_LOGGED).fetchone() is not None)
-        files = {}
-        for p in paths.sidecars(self.path):
-            if p.exists():
-                files[p.name] = {"size": p.stat().st_size, "mode": paths.mode_of(p)}
-        out: dict[str, Any] = {
-            "path": str(self.path),
-            "folder_mode": paths.mode_of(self.path.parent),
-            "files": files,
-            "size": sum(f["size"] for f in files.values()),
-            "vault_id": meta["vault_id"],
-            "kid": meta["kid"],
-            "ttl": durations.format_duration(ttl),
-            "created_at": meta.get("created_at"),
-            "rotated_at": rotated,
-            "scrub_pending": meta.get("scrub_pending") == "1",
-            "shred_interrupted": "shred_started" in meta,
-            "backup_of": meta.get(backupmark.BACKUP_OF),  # None: the live vault, not a backup
-            "backed_up_at": meta.get(backupmark.BACKED_UP_AT),
-            "keyring": None,
-            "key": None,
-        }
-        out["sessions"] = len(infos)
-        out["items"] = sum(i.items for i in infos)
-        out["expired_unverified"] = sum(i.expired_unverified for i in infos)
-        out["counts"] = COUNTS_NOTE
-        try:
-            out["keyring"] = self.keystore.name
-            self.sealer()
-            out["key"] = "present and matching"
-        except KeyRevoked:
-            out["key"] = "key revoked"
-            try:
-                complete = self.revocation_complete()
-            except KeyProblem:
-                complete = True  # no keyring to ask: the file's mark is all there is to say
-            if not complete:
-                out["key"] = "key revoked (incomplete: the key is still in the keyring)"
-                out["key_problem"] = "run `memvault revoke` again to finish destroying it"
-        except KeyProblem as exc:
-            out["key"] = "unusable"
-            out["key_problem"] = exc.message
-        return out
+        return file_status(self, now)
 
     # -- changing -------------------------------------------------------
     def pop(self, session_id: str, n: int = 1) -> Popped:
@@ -373,15 +271,7 @@ class Vault(KeyLifecycle):
                 "ORDER BY id DESC LIMIT ?",
                 (session_id, n),
             ).fetchall()
-            popped = []
-            for _id, data in rows:
-                opened = sealer.open(session_id, data, None)
-                if opened.state is not crypto.ItemState.READABLE:
-                    raise OperationFailed(
-                        f"item {_id} of session {session_id!r} does not authenticate (tampered, "
-                        "corrupt or under another key); nothing was removed"
-                    )
-                popped.append(opened.item)
+            popped = [popped_item(sealer, session_id, _id, data) for _id, data in rows]
             conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in rows])
             set_meta(conn, scrub_pending="1")
         return Popped(popped, self.scrub())
@@ -405,13 +295,7 @@ class Vault(KeyLifecycle):
                     (session_id,),
                 )
             )
-            if unreadable and not include_unreadable:
-                raise ItemsUnreadable(
-                    f"{unreadable} item(s) of session {session_id!r} do not authenticate "
-                    "(tampered, corrupt or under another key); nothing was deleted; to delete "
-                    f"them too, on purpose: memvault clear {session_id} --include-unreadable",
-                    unreadable,
-                )
+            refuse_unreadable(session_id, unreadable, include_unreadable)
             n = conn.execute(
                 f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = ?", (session_id,)
             ).rowcount
@@ -420,22 +304,12 @@ class Vault(KeyLifecycle):
             audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
         return Cleared(n, unreadable, self.scrub())
 
-    def scrub_after_delete(self) -> bool:
-        """Scrub after rows were deleted elsewhere (the agent session's pop).
-
-        Marked pending first, so that a scrub kept from finishing by a reader is
-        finished by the next open.
-        """
-        with self.write_transaction() as conn:
-            set_meta(conn, scrub_pending="1")
-        return self.scrub()
-
     def set_ttl(self, ttl: int | None) -> None:
         backupmark.refuse_writes(self, "`memvault ttl`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
             old = read_meta(conn, self.path).get("ttl_seconds")
-            new = "never" if ttl is None else str(ttl)
+            new = ttl_value(ttl)
             set_meta(conn, ttl_seconds=new)
             audit(conn, "ttl", sealer.kid, old=old, new=new)
 
@@ -468,8 +342,31 @@ class Vault(KeyLifecycle):
         scrubbed = self.scrub() if deleted else True
         return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed)
 
+    def settle_keyring(self) -> dict[str, list[str]]:
+        """Nothing after a kit import: opening the file settles its entries (`tidy`)."""
+        return {}
+
     def shred(self, progress: Progress | None = None) -> dict[str, Any]:
         return shred(self.path, self._keystore, progress)
+
+    def backup(self, dest: str | os.PathLike[str]) -> BackupResult:
+        """A recorded copy of this file at `dest`, marked as a backup (engines.sqlite.backup)."""
+        from vault.engines.sqlite.backup import backup
+
+        return backup(self, dest)
+
+    def importer(
+        self,
+        source: str,
+        session_id: str | None = None,
+        sessions_table: str | None = None,
+        messages_table: str | None = None,
+        shred_source: bool = False,
+    ) -> Importer:
+        """What imports a plaintext SQLiteSession file into this file (vault.importer)."""
+        from vault.importer import Importer
+
+        return Importer(self, source, session_id, sessions_table, messages_table, shred_source)
 
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:
