@@ -411,7 +411,7 @@ class PgVault(pgkept.PgKeptVersions, PgVaultBase):
         """A new key, rows re-encrypted online in batches (engines.postgres.rotate); also finishes a
         rotation that was cut off."""
         self.sealer()  # the key errors (missing, revoked) before any change
-        report = self.call(lambda: pgrotate.rotate(self, progress, batch))
+        report = pgrotate.rotate(self, progress, batch)
         assert report is not None  # None only when asked to resume alone
         return report
 
