@@ -574,6 +574,43 @@ def test_a_writer_deleting_rows_a_batch_is_re_encrypting_does_not_wait_for_it(
     )
 
 
+def test_ctrl_c_amid_the_batches_stops_at_once_and_the_next_rotate_resumes(
+    pg_vault: Any, pg_url: str
+) -> None:
+    import signal
+
+    import vault
+
+    async def write() -> None:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"turn {i}"} for i in range(600)])
+
+    asyncio.run(write())  # more than one batch of 500
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vault", "--db", pg_url, "rotate"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, MEMVAULT_PAUSEPOINT="pg-rotate-after-batch"),
+    )
+    assert proc.stderr is not None
+    assert proc.stderr.readline().strip() == "memvault: paused at pg-rotate-after-batch"
+    proc.send_signal(signal.SIGINT)
+    try:
+        _out, err = proc.communicate(timeout=60)  # the batches run outside the event loop
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], err
+    st = run_cli("--db", pg_url, "--json", "status").json()
+    assert st["rotation"]["done_through_id"] > 0, st
+    r = run_cli("--db", pg_url, "--json", "rotate")
+    assert r.code == 0 and r.json()["items"] == 100, r  # resumed after the first batch
+    shown = run_cli("--db", pg_url, "--json", "show", "s1").json()
+    assert [i["content"] for i in shown["items"]] == [f"turn {i}" for i in range(600)]
+
+
 @pytest.mark.parametrize(
     "point",
     [
