@@ -30,11 +30,13 @@ WRITER = textwrap.dedent(
 
     async def main() -> None:
         db, sid, start, count, size = sys.argv[1:6]
+        every = float(os.environ.get("CRASHKIT_WRITER_EVERY", "0"))  # seconds between items
         session = vault.open_session(sid, db)
         print("ready", flush=True)
         for i in range(int(start), int(start) + int(count)):
             await session.add_items([{"role": "user", "content": item_text(sid, i, int(size))}])
             print("ack", i, flush=True)
+            await asyncio.sleep(every)
         if "--die" in sys.argv:  # killed with its frames still in the WAL
             os.kill(os.getpid(), signal.SIGKILL)
         session.close()
@@ -58,10 +60,19 @@ def writer_items(sid: str, start: int, count: int, size: int) -> list[dict[str, 
 
 
 def start_writer(
-    db: Path, sid: str, start: int, count: int, size: int, *extra: str, wait: bool = True
+    db: Path | str,
+    sid: str,
+    start: int,
+    count: int,
+    size: int,
+    *extra: str,
+    wait: bool = True,
+    every: float = 0.0,
 ) -> subprocess.Popen[str]:
-    """Start an agent writer; with `wait`, return once it has opened its session."""
-    env = {k: v for k, v in os.environ.items() if k != "MEMVAULT_FAILPOINT"}
+    """Start an agent writer (on a vault file or a PostgreSQL URL), `every` seconds
+    between its items; with `wait`, return once it has opened its session."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MEMVAULT_FAILPOINT", "MEMVAULT_DB")}
+    env["CRASHKIT_WRITER_EVERY"] = str(every)
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(db), sid, str(start), str(count), str(size), *extra],
         stdout=subprocess.PIPE,

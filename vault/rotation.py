@@ -19,7 +19,9 @@ the old one). Rows a batch skipped because they changed are found again by the
 stragglers pass, which looks at every row still naming the old key.
 
 What an engine provides is `RotationRows`; the key-journal steps around the loop
-(record, switch, finish, retire) are each engine's (vault.engines.sqlite.filerotation).
+(record, switch, finish, retire) are each engine's (vault.engines.sqlite.filerotation,
+vault.engines.postgres.rotate). PostgreSQL locks rows, not the database, so its writers
+wait only for the batch rows they touch, and it needs no pause.
 """
 
 from __future__ import annotations
@@ -129,8 +131,14 @@ def move_rows(
     progress: Progress | None = None,
     batch: int = DEFAULT_BATCH,
     pause: float = DEFAULT_PAUSE,
+    *,
+    step: str = "after-batch",
+    sweep: bool = False,
 ) -> Moved:
-    """Move every row under `old` after id `start` to `new`, then the stragglers."""
+    """Move every row under `old` after id `start` to `new`, then the stragglers.
+
+    `step` names the failpoint reached after each batch; `sweep` looks for stragglers
+    even when no batch skipped a row (an engine whose writers are other hosts)."""
     cutoff = None if ttl is None else int(time.time()) - ttl
     moved = Moved()
     last, missed = start, 0
@@ -165,9 +173,9 @@ def move_rows(
         moved.items -= len(updates) - written  # changed meanwhile: the stragglers' now
         if progress:
             progress(len(found))
-        testhooks.failpoint("after-batch")
+        testhooks.failpoint(step)
         time.sleep(pause)
-    if missed or start:
+    if missed or start or sweep:
         # A full scan, so only when a batch skipped a row, or an earlier run's did.
         moved.stragglers = _stragglers(rows, old, new, batch, pause, moved)
     return moved

@@ -515,6 +515,102 @@ def test_online_rotation_serves_readers_and_writers_between_batches(
     assert len(items) == 13 and bad == 0
 
 
+def test_a_writer_deleting_rows_a_batch_is_re_encrypting_does_not_wait_for_it(
+    pg_vault: Any, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch is read with no row locked and re-encrypted outside its transaction:
+    `clear` in another process goes through at once, and the batch's write then skips
+    the rows it deleted (written only where they still hold what the batch read)."""
+    import threading
+
+    import vault
+    from vault import crypto
+    from vault.engines.postgres.vault import PgVault
+
+    async def write() -> None:
+        await vault.open_session("s1", pg_url).add_items(
+            [{"role": "user", "content": f"turn {i}"} for i in range(6)]
+        )
+        await vault.open_session("s2", pg_url).add_items(
+            [{"role": "user", "content": f"kept {i}"} for i in range(3)]
+        )
+
+    asyncio.run(write())
+    re_encrypting, go_on = threading.Event(), threading.Event()
+    rotate_row = crypto.rotate_row_stamped
+
+    def held_up(*args: Any, **kwargs: Any) -> Any:
+        re_encrypting.set()
+        assert go_on.wait(300)
+        return rotate_row(*args, **kwargs)
+
+    monkeypatch.setattr(crypto, "rotate_row_stamped", held_up)
+    done: dict[str, Any] = {}
+
+    def rotate() -> None:
+        try:
+            done["report"] = PgVault.open(pg_url).rotate(batch=50)  # one batch: every row
+        except BaseException as exc:  # reported by the assertions below
+            done["error"] = exc
+
+    worker = threading.Thread(target=rotate)
+    worker.start()
+    try:
+        assert re_encrypting.wait(300), done
+        r = run_cli("--db", pg_url, "clear", "s1", "--yes", env={"MEMVAULT_LOCK_TIMEOUT": "3"})
+        assert r.code == 0, r  # not held up by the batch (exit 5 once the lock wait ran out)
+    finally:
+        go_on.set()
+        worker.join(300)
+    assert "error" not in done, done
+    counts = done["report"].counts
+    assert (counts["items"], counts["stragglers"], counts["unreadable"]) == (3, 0, 0), counts
+    new_kid = sql(pg_url, "SELECT value FROM memvault_meta WHERE key = 'kid'")[0]["value"]
+    assert raw_kids(pg_url) == [new_kid] * 3  # the cleared rows stay cleared
+    items, _, bad = PgVault.open(pg_url).items("s2")
+    assert [i["content"] for i in items] == [f"kept {i}" for i in range(3)] and bad == 0
+    assert (
+        sql(pg_url, "SELECT count(*) AS n FROM agent_messages WHERE session_id = 's1'")[0]["n"] == 0
+    )
+
+
+def test_ctrl_c_amid_the_batches_stops_at_once_and_the_next_rotate_resumes(
+    pg_vault: Any, pg_url: str
+) -> None:
+    import signal
+
+    import vault
+
+    async def write() -> None:
+        s = vault.open_session("s1", pg_url)
+        await s.add_items([{"role": "user", "content": f"turn {i}"} for i in range(600)])
+
+    asyncio.run(write())  # more than one batch of 500
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vault", "--db", pg_url, "rotate"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, MEMVAULT_PAUSEPOINT="pg-rotate-after-batch"),
+    )
+    assert proc.stderr is not None
+    assert proc.stderr.readline().strip() == "memvault: paused at pg-rotate-after-batch"
+    proc.send_signal(signal.SIGINT)
+    try:
+        _out, err = proc.communicate(timeout=60)  # the batches run outside the event loop
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], err
+    st = run_cli("--db", pg_url, "--json", "status").json()
+    assert st["rotation"]["done_through_id"] > 0, st
+    r = run_cli("--db", pg_url, "--json", "rotate")
+    assert r.code == 0 and r.json()["items"] == 100, r  # resumed after the first batch
+    shown = run_cli("--db", pg_url, "--json", "show", "s1").json()
+    assert [i["content"] for i in shown["items"]] == [f"turn {i}" for i in range(600)]
+
+
 @pytest.mark.parametrize(
     "point",
     [

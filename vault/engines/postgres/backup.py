@@ -41,7 +41,7 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
     meta = vault.meta()
     if pgrotate.FROM in meta and "revoked_at" not in meta:
         # A cut-off rotation blocks nothing: it is finished (none started), one key copied.
-        vault.call(lambda: pgrotate.rotate(vault, None, pgrotate.DEFAULT_BATCH, resume_only=True))
+        pgrotate.rotate(vault, None, pgrotate.DEFAULT_BATCH, resume_only=True)
         meta = vault.meta()
     _refuse(vault, meta)
     target = file_backup.check_destination(dest, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -55,14 +56,57 @@ def require_driver() -> Any:
 
 def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a coroutine to completion from synchronous code, inside a running loop or not."""
+    return off_loop(lambda: asyncio.run(make()))
+
+
+def off_loop(work: Callable[[], T]) -> T:
+    """`work()`, which runs event loops of its own: on a helper thread when called from a
+    coroutine (the agent session reloading its key), so the caller's loop is not re-entered."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(make())
-    # Called from a coroutine (the agent session reloading its key): a loop of its own,
-    # on a helper thread, so the caller's loop is not re-entered.
+        return work()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, make()).result()
+        return pool.submit(work).result()
+
+
+class HeldConnection:
+    """One connection on one event loop for a whole batched operation (a rotation): the
+    admin lock it holds outlives each step, and each step is one `run` on that loop, so
+    synchronous code (vault.rotation's loop) drives it between steps."""
+
+    def __init__(self, loc: PgLocation) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.held = contextlib.AsyncExitStack()
+        try:
+            self.conn = self.loop.run_until_complete(connect(loc))
+        except BaseException:
+            self.loop.close()
+            raise
+
+    def __enter__(self) -> HeldConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, make: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+        return self.loop.run_until_complete(make(self.conn))
+
+    def hold(self, lock: contextlib.AbstractAsyncContextManager[T]) -> T:
+        """Enter `lock` (the admin lock) until `close`."""
+        return self.loop.run_until_complete(self.held.enter_async_context(lock))
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self.held.aclose())
+            self.loop.run_until_complete(self.conn.close(timeout=5))
+        except Exception:
+            # Cut off mid-step (Ctrl-C, a lost server): the server ends the session, and
+            # with it a session lock, when the connection goes.
+            self.conn.terminate()
+        finally:
+            self.loop.close()
 
 
 def translate(exc: BaseException, loc: PgLocation) -> VaultError:

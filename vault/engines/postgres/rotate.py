@@ -1,22 +1,22 @@
-"""Online, batched key rotation of a PostgreSQL vault.
+"""Online, batched key rotation of a PostgreSQL vault: the key-journal steps around
+vault.rotation's loop, the one both engines run.
 
-A file vault rotates in one transaction under SQLite's write lock; a server
-vault with agents on other hosts must keep serving them. So:
-
-1. One rotation at a time: the vault's admin lock (vault.engines.postgres.lock), held throughout;
-   purge, revoke and shred take it too.
+1. One rotation at a time: the vault's admin lock (vault.engines.postgres.lock), held
+   throughout on one connection (`HeldConnection`); purge, revoke and shred take it too.
 2. The new version is recorded `pending` (committed), then its keyring entry
    is stored (the journal always knows of every entry, vault.keyjournal).
 3. The switch, one short transaction: meta `kid` = new (from here the guard
    refuses the old kid, so every writer moves to the new key: the agent
    session reloads it and retries), `rotating_from` = old kid,
    `rotation_progress` = 0, old `retired`, new `current`.
-4. Batches, each its own transaction: rows after `rotation_progress` (by id),
-   locked, re-encrypted from the old key to the new (timestamps kept), then
-   `rotation_progress` moves on. Readers meanwhile open each row with the key
-   its envelope names: both keys stay readable (`PgVault.sealer_for_kid`).
+4. The batches (vault.rotation, through `PgRows`): each read after the progress id
+   with no row locked, re-encrypted outside any transaction, then written in one
+   short transaction, each row only where it still holds the text read, with
+   `rotation_progress` moved on. Readers meanwhile open each row with the key its
+   envelope names: both keys stay readable (`PgVault.sealer_for_kid`).
 5. The end: the rotation marks leave the meta, `rotate` is audited, the old
-   entry is deleted from the keyring, the journal says `destroyed`.
+   version is retained while a recorded backup uses it, else its entry is deleted
+   from the keyring and the journal says `destroyed` (vault.engines.postgres.kept).
 
 A rotation cut off at any step is finished by the next `memvault rotate`:
 after the switch it resumes from `rotation_progress`; before it, the pending
@@ -31,14 +31,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from vault import crypto, testhooks
+from vault import crypto, rotation, testhooks
 from vault.engines.postgres import kept as pgkept
-from vault.engines.postgres.conn import translate_after
+from vault.engines.postgres.conn import (
+    HeldConnection,
+    is_driver_error,
+    off_loop,
+    translate,
+    translate_after,
+)
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.schema import audit, current_schema, record_key
+from vault.engines.sqlite.db import parse_ttl
 from vault.engines.sqlite.lifecycle import refuse_revoked
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
-from vault.errors import VaultBusy
+from vault.errors import VaultBusy, VaultError
 from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
 from vault.keys import require_key
@@ -48,12 +55,19 @@ if TYPE_CHECKING:
     from vault.engines.postgres.base import PgVaultBase as PgVault
 
 FROM, PROGRESS = ROTATING_FROM, "rotation_progress"
-# The next batch of rows after id $1, locked until its transaction ends (rotation, purge).
+# The next batch of rows after id $1, locked until its transaction ends (purge).
 ROW_BATCH = (
     f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
     "WHERE id > $1 ORDER BY id LIMIT $2 FOR UPDATE"
 )
 DEFAULT_BATCH = 500
+# A batch's write: each row only where it still holds the text the batch read (a writer
+# may have deleted or cleared it since); the count in the status says how many moved.
+UNCHANGED_UPDATE = (
+    f"UPDATE {MESSAGES_TABLE} AS m SET message_data = u.new "
+    "FROM unnest($1::text[], $2::int8[], $3::text[]) AS u(new, id, old) "
+    "WHERE m.id = u.id AND m.message_data = u.old"
+)
 
 
 async def _set(conn: Any, **values: str) -> None:
@@ -64,44 +78,61 @@ async def _set(conn: Any, **values: str) -> None:
     )
 
 
-async def rotate(
+def rotate(
     vault: PgVault, progress: Progress | None, batch: int, resume_only: bool = False
 ) -> Report | None:
     """With `resume_only`, finish a rotation under way or cut off, and start none (None)."""
+    try:
+        return off_loop(lambda: _rotate(vault, progress, batch, resume_only))
+    except VaultError:
+        raise
+    except Exception as exc:
+        if not is_driver_error(exc):
+            raise
+        raise translate(exc, vault.loc) from None
+
+
+def _rotate(
+    vault: PgVault, progress: Progress | None, batch: int, resume_only: bool
+) -> Report | None:
     started = time.monotonic()
     ks = vault.keystore
     ks.check_usable()
-    conn = await vault.connect()
-    try:
-        schema = await current_schema(conn)
-        await vault.read_meta(conn)  # no vault here: exit 3 before any lock
+    with HeldConnection(vault.loc) as held:
+        schema = held.run(current_schema)
+        held.run(vault.read_meta)  # no vault here: exit 3 before any lock
         assert schema is not None
-        async with admin_lock(conn, schema, vault.path):
-            if resume_only and FROM not in await vault.read_meta(conn):
-                return None
-            old, new = await _start_or_resume(vault, conn)
-            try:
-                counts = await _batches(vault, conn, old, new, progress, batch)
+        held.hold(admin_lock(held.conn, schema, vault.path))
+        meta = held.run(vault.read_meta)
+        if resume_only and FROM not in meta:
+            return None
+        old, new = held.run(lambda conn: _start_or_resume(vault, conn))
+        try:
+            begin = int(held.run(vault.read_meta).get(PROGRESS, "0") or 0)
+            moved = rotation.move_rows(
+                PgRows(held),
+                old,
+                new,
+                begin,
+                parse_ttl(meta, vault.path),  # type: ignore[arg-type]
+                progress,
+                batch,
+                0,  # row locks, not a database lock: a writer waits for no pause
+                step="pg-rotate-after-batch",
                 # The old key is retired only when no row under it remains, wherever it is.
-                counts["stragglers"] = await _stragglers(conn, old, new, batch)
-            except Exception as exc:
-                raise translate_after(
-                    exc,
-                    vault.loc,
-                    f"the vault already switched to key {new.kid} (both keys read meanwhile); "
-                    "fix that, then run `memvault rotate` again to finish",
-                ) from None
-            async with conn.transaction():
-                await conn.execute(
-                    "DELETE FROM memvault_meta WHERE key = ANY($1)", [FROM, PROGRESS]
-                )
-                await audit(conn, "rotate", new.kid, old_kid=old.kid, online=True, **counts)
-            testhooks.failpoint("pg-rotate-after-finish")
-            vault_id = (await vault.read_meta(conn))["vault_id"]
-            # Kept while a recorded backup uses it (vault.retention), else destroyed.
-            fate = await pgkept.settle_old(conn, vault_id, old.kid, ks.delete)
-    finally:
-        await conn.close()
+                sweep=True,
+            )
+        except Exception as exc:
+            raise translate_after(
+                exc,
+                vault.loc,
+                f"the vault already switched to key {new.kid} (both keys read meanwhile); "
+                "fix that, then run `memvault rotate` again to finish",
+            ) from None
+        if moved.superseded:  # under the admin lock: cannot happen; refuse rather than guess
+            raise VaultBusy(f"{vault.path} changed key during the rotation; try again")
+        counts = moved.counts()
+        fate = held.run(lambda conn: _finish(vault, conn, old, new, counts))
     vault.use_key(new, retired=old.kid)
     return Report(
         {
@@ -115,6 +146,19 @@ async def rotate(
         },
         True,
     )
+
+
+async def _finish(
+    vault: PgVault, conn: Any, old: crypto.Sealer, new: crypto.Sealer, counts: dict[str, int]
+) -> str:
+    """The rotation's marks go and it is audited; then the old version is settled."""
+    async with conn.transaction():
+        await conn.execute("DELETE FROM memvault_meta WHERE key = ANY($1)", [FROM, PROGRESS])
+        await audit(conn, "rotate", new.kid, old_kid=old.kid, online=True, **counts)
+    testhooks.failpoint("pg-rotate-after-finish")
+    vault_id = (await vault.read_meta(conn))["vault_id"]
+    # Kept while a recorded backup uses it (vault.retention), else destroyed.
+    return await pgkept.settle_old(conn, vault_id, old.kid, vault.keystore.delete)
 
 
 async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, crypto.Sealer]:
@@ -158,89 +202,53 @@ async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, cr
     return old, new
 
 
-async def _batches(
-    vault: PgVault,
-    conn: Any,
-    old: crypto.Sealer,
-    new: crypto.Sealer,
-    progress: Progress | None,
-    batch: int,
-) -> dict[str, int]:
-    ttl = vault.ttl
-    cutoff = None if ttl is None else int(time.time()) - ttl
-    items = expired = unreadable = 0
-    sessions: set[str] = set()
-    while True:
-        async with conn.transaction():
-            last = int(
-                await conn.fetchval(
-                    "SELECT value FROM memvault_meta WHERE key = $1 FOR UPDATE", PROGRESS
+class PgRows:
+    """vault.rotation's `RotationRows` over the rotation's held connection: each call one
+    statement or one short transaction."""
+
+    def __init__(self, held: HeldConnection) -> None:
+        self.held = held
+
+    def read_rows(self, after: int, limit: int, naming: str | None = None) -> list[rotation.Row]:
+        # No FOR UPDATE: a writer deleting these rows meanwhile does not wait for the
+        # batch's cryptography; the write below skips any row it changed.
+        where = "" if naming is None else "AND strpos(message_data, $3) > 0 "
+        sql = (
+            f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
+            f"WHERE id > $1 {where}ORDER BY id LIMIT $2"
+        )
+        args = (after, limit) if naming is None else (after, limit, naming)
+        rows = self.held.run(lambda conn: conn.fetch(sql, *args))
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def write_rows(
+        self, old_kid: str, new_kid: str, updates: list[rotation.Update], progress: int | None
+    ) -> int | None:
+        async def write(conn: Any) -> int | None:
+            async with conn.transaction():
+                # FOR SHARE, as a writer's change locks them: a batch never waits for a
+                # writer's lock on the kid, so the two cannot deadlock over the rows.
+                kids = dict(
+                    await conn.fetch(
+                        "SELECT key, value FROM memvault_meta WHERE key IN ('kid', $1) FOR SHARE",
+                        FROM,
+                    )
                 )
-            )
-            rows = await conn.fetch(ROW_BATCH, last, batch)
-            if not rows:
-                return {
-                    "sessions": len(sessions),
-                    "items": items,
-                    "expired": expired,
-                    "unreadable": unreadable,
-                }
-            updates = []
-            for row_id, sid, data in rows:
-                sessions.add(sid)
-                if kid_of(data) == new.kid:
-                    continue  # written under the new key since the switch
-                stamped = crypto.rotate_row_stamped(old, new, sid, data)
-                if stamped is None:
-                    unreadable += 1  # kept as it is: a rotation deletes nothing
-                    continue
-                rotated, ts = stamped
-                items += 1
-                if cutoff is not None and ts < cutoff:
-                    expired += 1
-                updates.append((rotated, row_id))
-            await conn.executemany(
-                f"UPDATE {MESSAGES_TABLE} SET message_data = $1 WHERE id = $2", updates
-            )
-            await _set(conn, **{PROGRESS: str(rows[-1][0])})
-        if progress:
-            progress(len(rows))
-        testhooks.failpoint("pg-rotate-after-batch")
+                if kids.get("kid") != new_kid or kids.get(FROM) != old_kid:
+                    return None
+                status = await conn.execute(
+                    UNCHANGED_UPDATE,
+                    [u[0] for u in updates],
+                    [u[1] for u in updates],
+                    [u[2] for u in updates],
+                )
+                if progress is not None:
+                    await _set(conn, **{PROGRESS: str(progress)})
+                return int(status.split()[-1])
+
+        return self.held.run(write)
 
 
-# The key id an envelope names: one function for both engines (the file vault's online
-# rotation reads it too); kept under this name for the PostgreSQL modules.
+# The key id an envelope names: one function for both engines; kept under this name for
+# the PostgreSQL modules.
 kid_of = crypto.kid_of
-
-
-async def _stragglers(conn: Any, old: crypto.Sealer, new: crypto.Sealer, batch: int) -> int:
-    """Re-encrypt the rows still under the old key that the ordered batches went past
-    (a write committed under it behind their progress): none, when writers behave."""
-    # The kid's text alone, not `"kid": "..."`: the guard lets any JSON layout of an
-    # envelope in (compact, keys in another order), and each candidate is checked below.
-    marker = old.kid
-    moved, last = 0, 0
-    while True:
-        async with conn.transaction():
-            rows = await conn.fetch(
-                f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} "
-                "WHERE id > $3 AND strpos(message_data, $1) > 0 ORDER BY id LIMIT $2 "
-                "FOR UPDATE",
-                marker,
-                batch,
-                last,
-            )
-            if not rows:
-                return moved
-            last = rows[-1][0]
-            updates = []
-            for row_id, sid, data in rows:
-                if kid_of(data) != old.kid:
-                    continue  # the kid inside some other text: not an envelope under it
-                stamped = crypto.rotate_row_stamped(old, new, sid, data)
-                if stamped is not None:  # else unreadable: kept, as the batches keep it
-                    updates.append((stamped[0], row_id))
-            await conn.executemany(
-                f"UPDATE {MESSAGES_TABLE} SET message_data = $1 WHERE id = $2", updates
-            )
-            moved += len(updates)

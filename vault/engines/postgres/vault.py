@@ -313,7 +313,7 @@ class PgVault(pgkept.PgKeptVersions):
         """A new key, rows re-encrypted online in batches (engines.postgres.rotate); also finishes a
         rotation that was cut off."""
         self.sealer()  # the key errors (missing, revoked) before any change
-        report = self.call(lambda: pgrotate.rotate(self, progress, batch))
+        report = pgrotate.rotate(self, progress, batch)
         assert report is not None  # None only when asked to resume alone
         report.notes["scrub"] = PG_ROTATE_NOTE
         return report
