@@ -114,7 +114,7 @@ def _rotate(
                 old,
                 new,
                 begin,
-                parse_ttl(meta, vault.path),  # type: ignore[arg-type]
+                parse_ttl(meta, vault.path),
                 progress,
                 batch,
                 0,  # row locks, not a database lock: a writer waits for no pause
