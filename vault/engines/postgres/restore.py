@@ -33,14 +33,14 @@ import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vault import backupmark, paths, retention, testhooks
+from vault import paths, retention, testhooks
 from vault.crypto import ItemState, Sealer
 from vault.engines.postgres import kept as pgkept
 from vault.engines.postgres.backup import refuse_unsettled
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.schema import audit, current_schema, record_key
 from vault.engines.sqlite.db import peek, sqlite_errors
-from vault.engines.sqlite.restore import RestorePlan, verified_backup
+from vault.engines.sqlite.restore import RestorePlan, verified_plan
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, OperationFailed
@@ -67,21 +67,9 @@ def check(vault: PgVault, source: str | os.PathLike[str]) -> RestorePlan:
             f"{live['vault_id']}; a PostgreSQL vault takes back only a backup of itself; "
             "nothing was changed"
         )
-    report = verified_backup(src)
-    return RestorePlan(
-        source=str(src.absolute()),
-        path=vault.path,
-        vault_id=meta["vault_id"],
-        kid=meta["kid"],
-        backup_id=meta.get(backupmark.BACKUP_ID),
-        backed_up_at=meta.get(backupmark.BACKED_UP_AT),
-        items=report.items,
-        sessions=report.sessions,
-        replaces=True,
-        replaced_items=vault.count_items(),
-        replaced_kid=live["kid"],
-        checked=["a memvault vault", "the same vault id", "every item authenticates"],
-    )
+    plan = verified_plan(src, vault.path, meta, True, ["the same vault id"])
+    plan.replaced_items, plan.replaced_kid = vault.count_items(), live["kid"]
+    return plan
 
 
 def restore(vault: PgVault, plan: RestorePlan) -> dict[str, Any]:

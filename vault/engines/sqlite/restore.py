@@ -55,7 +55,7 @@ from vault.engines.sqlite.restorestate import (
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
-from vault.verify import VerifyReport, verify
+from vault.verify import verify
 
 # The replaced vault's key versions enter the restored journal as retained: kept,
 # decrypt-only while the backups the replaced vault recorded (copied over too) need
@@ -83,9 +83,12 @@ class RestorePlan:
         return dict(self.__dict__)
 
 
-def verified_backup(src: Path) -> VerifyReport:
-    """`verify`'s report of the backup to restore, every item authenticated under a key
-    this keyring holds, or the refusal (both engines' restore)."""
+def verified_plan(
+    src: Path, path: str, meta: dict[str, str], replaces: bool, checked: list[str]
+) -> RestorePlan:
+    """The plan of restoring the backup `src` (whose meta is `meta`) at `path`, once
+    `verify` authenticated every item under a key this keyring holds; else the refusal
+    (both engines' restore)."""
     report = verify(src)
     if report.key_error is not None:
         raise KeyProblem(
@@ -98,7 +101,18 @@ def verified_backup(src: Path) -> VerifyReport:
             f"the backup {src} does not verify ({found}); `memvault --db {src} verify` lists "
             "the problems; nothing was changed"
         )
-    return report
+    return RestorePlan(
+        source=str(src.absolute()),
+        path=path,
+        vault_id=meta["vault_id"],
+        kid=meta["kid"],
+        backup_id=meta.get(backupmark.BACKUP_ID),
+        backed_up_at=meta.get(backupmark.BACKED_UP_AT),
+        items=report.items,
+        sessions=report.sessions,
+        replaces=replaces,
+        checked=["a memvault vault", *checked, "every item authenticates"],
+    )
 
 
 def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> RestorePlan:
@@ -132,23 +146,9 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
             )
     if not os.path.lexists(live):
         refuse_a_twin(src, meta)
-    report = verified_backup(src)
-    plan = RestorePlan(
-        source=str(src.absolute()),
-        path=str(live),
-        vault_id=meta["vault_id"],
-        kid=meta["kid"],
-        backup_id=meta.get(backupmark.BACKUP_ID),
-        backed_up_at=meta.get(backupmark.BACKED_UP_AT),
-        items=report.items,
-        sessions=report.sessions,
-        replaces=os.path.lexists(live),
-        checked=[
-            "a memvault vault",
-            "the same vault id" if os.path.lexists(live) else "no vault at the path",
-            "every item authenticates",
-        ],
-    )
+    replaces = os.path.lexists(live)
+    same = "the same vault id" if replaces else "no vault at the path"
+    plan = verified_plan(src, str(live), meta, replaces, [same])
     if plan.replaces:
         plan.replaced_items = current.count_items()
         plan.replaced_kid = current.meta()["kid"]
