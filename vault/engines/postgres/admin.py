@@ -28,11 +28,12 @@ from vault.engines.postgres.conn import translate_after
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.rotate import FROM, PROGRESS, ROW_BATCH, kid_of
 from vault.engines.postgres.schema import audit, current_schema, record_key
-from vault.engines.sqlite.keptkeys import refuse_revoked, with_backups
+from vault.engines.sqlite.keptkeys import with_backups
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.errors import KeyProblem, OperationFailed, VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, DESTROYED, PENDING, entry_name
+from vault.keyload import refuse_revoked
 from vault.results import KeyVersionInfo, Popped, Report
 from vault.vaultops import parse_ttl, popped_item, ttl_value
 

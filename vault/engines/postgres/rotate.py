@@ -43,11 +43,11 @@ from vault.engines.postgres.conn import (
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.schema import audit, current_schema, record_key
 from vault.engines.sqlite.db import parse_ttl
-from vault.engines.sqlite.lifecycle import refuse_revoked
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.errors import VaultBusy, VaultError
 from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
+from vault.keyload import refuse_revoked
 from vault.keys import require_key
 from vault.results import Report
 
