@@ -14,9 +14,10 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from vault import exportdirs, keyjournal, testhooks
-from vault.engines.postgres.admin import kids_in_use, known_kids, locked, set_meta
+from vault.engines.postgres.admin import kids_in_use, known_kids
 from vault.engines.postgres.conn import translate_after
-from vault.engines.postgres.schema import _q, record_key
+from vault.engines.postgres.lock import locked
+from vault.engines.postgres.schema import _q, record_key, set_meta
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, utcnow
 from vault.engines.sqlite.shred import SHRED_FIELDS
 from vault.keyjournal import DESTROYED
