@@ -85,12 +85,25 @@ def start_writer(
     assert proc.stdout is not None
     if not wait:
         return proc
-    line = proc.stdout.readline()
+    line = _first_line(proc.stdout.fileno())
     if line.strip() != "ready":
         proc.kill()
         _, err = proc.communicate()
         raise AssertionError(f"the agent writer did not start: {line!r} {err[-2000:]}")
     return proc
+
+
+def _first_line(fd: int) -> str:
+    """One line read straight from the pipe, a byte at a time: a buffered readline would
+    swallow the acks written right after it, and `communicate` (which reads the pipe
+    itself) would never see them."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode()
 
 
 def killed_cli(*args: str, failpoint: str | None = None, delay: float | None = None) -> int:
