@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,64 @@ def start_writer(
     assert proc.stdout is not None
     if not wait:
         return proc
-    line = proc.stdout.readline()
+    line = _first_line(proc.stdout.fileno())
     if line.strip() != "ready":
         proc.kill()
         _, err = proc.communicate()
         raise AssertionError(f"the agent writer did not start: {line!r} {err[-2000:]}")
     return proc
+
+
+def _first_line(fd: int) -> str:
+    """One line read straight from the pipe, a byte at a time: a buffered readline would
+    swallow the acks written right after it, and `communicate` (which reads the pipe
+    itself) would never see them."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode()
+
+
+def killed_cli(*args: str, failpoint: str | None = None, delay: float | None = None) -> int:
+    """`memvault ARGS` in a process of its own, stopped at `failpoint` or killed by
+    SIGKILL after `delay` seconds; its exit code (-SIGKILL when killed)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MEMVAULT_FAILPOINT", "MEMVAULT_DB")}
+    if failpoint:
+        env["MEMVAULT_FAILPOINT"] = failpoint
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vault", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=env,
+    )
+    if delay is not None:
+        time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout=300)
+
+
+def put_back(db: Path, image: bytes, vault_id: str, kid: str, key: str) -> None:
+    """A vault file as it was built: its bytes back (no side files), and only its
+    original key's entry in the keyring."""
+    from tests.conftest import keyring_entries
+    from vault.keyjournal import entry_name
+    from vault.keys import KeyStore
+
+    for suffix in ("-wal", "-shm", "-journal"):
+        db.with_name(db.name + suffix).unlink(missing_ok=True)
+    db.write_bytes(image)
+    os.chmod(db, 0o600)
+    ks = KeyStore()
+    original = entry_name(vault_id, kid)
+    for name in keyring_entries(vault_id):
+        if name != original:
+            ks.delete(name)
+    ks.set(original, key)
 
 
 def run_writer_to_death(db: Path, sid: str, start: int, count: int, size: int) -> int:

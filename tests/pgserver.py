@@ -74,3 +74,32 @@ def entries_left(url: str) -> dict[str, bool]:
         r["kid"]: ks.get(entry_name(vault_id, r["kid"])) is not None
         for r in sql(url, "SELECT kid FROM memvault_keys")
     }
+
+
+def bulk_insert(url: str, texts: list[tuple[str, str]]) -> None:
+    """(session id, text) items sealed under the vault's key and copied in with COPY, in
+    one transaction (the guard checks each row); their sessions are made as needed."""
+    import asyncpg
+
+    from vault.engines.postgres.url import parse
+    from vault.engines.postgres.vault import PgVault
+
+    sealer = PgVault.open(url).sealer()
+    records = [(sid, sealer.seal(sid, {"role": "user", "content": t})) for sid, t in texts]
+    loc = parse(url)
+
+    async def go() -> None:
+        conn = await asyncpg.connect(loc.dsn, server_settings=loc.server_settings())
+        try:
+            async with conn.transaction():
+                await conn.executemany(
+                    "INSERT INTO agent_sessions (session_id) VALUES ($1) ON CONFLICT DO NOTHING",
+                    [(sid,) for sid in dict.fromkeys(sid for sid, _ in texts)],
+                )
+                await conn.copy_records_to_table(
+                    "agent_messages", records=records, columns=["session_id", "message_data"]
+                )
+        finally:
+            await conn.close()
+
+    asyncio.run(go())

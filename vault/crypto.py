@@ -223,6 +223,11 @@ class Sealer:
             f = self._fernets[session_id] = session_fernet(self._master, session_id)
         return f
 
+    def reader(self, session_id: str, message_data: str) -> Fernet:
+        """The Fernet that opens `message_data` (`open` and `state` use it): this key's
+        for the session. A sealer that reads more than one key picks by the envelope."""
+        return self.fernet(session_id)
+
     def envelope(self, session_id: str, item: Any, now: int | None = None) -> dict[str, Any]:
         f = self.fernet(session_id)
         data = _to_json_bytes(item)
@@ -245,7 +250,7 @@ class Sealer:
         payload = payload_of(message_data)
         if payload is None:
             return Opened(ItemState.UNREADABLE)
-        f = self.fernet(session_id)
+        f = self.reader(session_id, message_data)
         token = payload.encode("ascii", "replace")
         try:
             ts = f.extract_timestamp(token)
@@ -285,7 +290,7 @@ class Sealer:
         if payload is None:
             return ItemState.UNREADABLE
         token = payload.encode("ascii", "replace")
-        f = self.fernet(session_id)
+        f = self.reader(session_id, message_data)
         try:
             ts = f.extract_timestamp(token)
             if decode:

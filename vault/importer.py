@@ -34,6 +34,7 @@ import hashlib
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -68,6 +69,16 @@ if TYPE_CHECKING:
     from vault.engines.sqlite.lifecycle import KeyLifecycle
 
 BATCH = 500
+
+
+@dataclass(frozen=True)
+class Part:
+    """One source session to import: its place among them, and the progress bar."""
+
+    session: SourceSession
+    number: int
+    of: int
+    progress: Progress | None
 
 
 class Importer:
@@ -267,7 +278,7 @@ class Importer:
         sealer = vault.sealer()
         imported: list[dict[str, Any]] = []
         for part, s in enumerate(plan.sessions, 1):
-            n = self._import_session(s, sealer, part, len(plan.sessions), progress)
+            n = self._import_session(Part(s, part, len(plan.sessions), progress), sealer)
             imported.append({"session_id": s.session_id, "items": n})
             sealer = vault.sealer()
             testhooks.failpoint("import-session-committed")
@@ -346,15 +357,9 @@ class Importer:
     def _read_back(self, sid: str, sealer: crypto.Sealer) -> ReadBack:
         return ReadBack(sid, sealer)
 
-    def _import_session(
-        self,
-        s: SourceSession,
-        sealer: crypto.Sealer,
-        part: int,
-        parts: int,
-        progress: Progress | None,
-    ) -> int:
+    def _import_session(self, p: Part, sealer: crypto.Sealer) -> int:
         """One session into a vault file, in one transaction (PgImporter's is PostgreSQL's)."""
+        s, part, parts, progress = p.session, p.number, p.of, p.progress
         vault = cast("KeyLifecycle", self.vault)
         sid = s.session_id
         source_digest = hashlib.sha256()

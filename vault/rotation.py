@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cryptography.fernet import Fernet
+
 from vault import crypto, testhooks
 from vault.files import Progress
 
@@ -64,25 +66,10 @@ class RotatingSealer(crypto.Sealer):
             return self.old
         return super().for_kid(kid)
 
-    def open(
-        self, session_id: str, message_data: str, ttl: int | None, now: int | None = None
-    ) -> crypto.Opened:
+    def reader(self, session_id: str, message_data: str) -> Fernet:
         if crypto.kid_of(message_data) == self.old.kid:
-            return self.old.open(session_id, message_data, ttl, now)
-        return super().open(session_id, message_data, ttl, now)
-
-    def state(
-        self,
-        session_id: str,
-        message_data: str,
-        ttl: int | None,
-        now: int | None = None,
-        *,
-        decode: bool = False,
-    ) -> crypto.ItemState:
-        if crypto.kid_of(message_data) == self.old.kid:
-            return self.old.state(session_id, message_data, ttl, now, decode=decode)
-        return super().state(session_id, message_data, ttl, now, decode=decode)
+            return self.old.fernet(session_id)
+        return self.fernet(session_id)
 
 
 class RotationRows(Protocol):

@@ -27,7 +27,12 @@ import pytest
 from tests.conftest import ROOT, keyring_entries, run_cli
 from tests.crashkit import item_text, start_writer
 from tests.pgserver import MARKS, sql
-from tests.postgres.test_postgres_restore import bulk_write, contents, journal, kid_of_vault
+from tests.postgres.test_postgres_restore import (
+    contents,
+    journal,
+    kid_of_vault,
+    vault_with_backup,
+)
 from vault.keyjournal import entry_name
 
 pytestmark = [pytest.mark.crash, *MARKS]
@@ -102,16 +107,11 @@ def agent_and_rest(url: str) -> tuple[list[str], dict[str, list[str]]]:
 def test_a_url_rotation_killed_at_random_instants_keeps_every_item_and_the_backups_key(
     pg_url: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    from vault.engines.postgres.vault import PgVault
 
     seed = int(os.environ.get("MEMVAULT_PG_KILL_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
-    vault_id = PgVault.init(pg_url, ttl=None).vault_id
     expected: dict[str, list[str]] = {}
-    bulk_write(pg_url, 0, N_ITEMS, expected)
-    b = tmp_path / "backup.db"
-    assert run_cli("--db", pg_url, "backup", str(b)).code == 0
-    b_kid = kid_of_vault(pg_url)
+    vault_id, b, b_kid = vault_with_backup(pg_url, tmp_path, N_ITEMS, expected)
     # How long a rotation takes here, from its start and from its switch, to spread the kills.
     started = time.monotonic()
     assert rotation(pg_url, None, False)[0] == 0

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, keyring_entries, run_cli
+from tests.crashkit import put_back
 from vault.engines.sqlite.vault import Vault, shred
 from vault.keyjournal import entry_name
-from vault.keys import KeyStore
 
 pytestmark = pytest.mark.crash
 
@@ -90,16 +90,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 def restore(s: Setup) -> None:
     """The vault as built (its backup recorded), only the original key in the keyring."""
-    for suffix in ("-wal", "-shm", "-journal"):
-        s.db.with_name(s.db.name + suffix).unlink(missing_ok=True)
-    s.db.write_bytes(s.image)
-    os.chmod(s.db, 0o600)
-    ks = KeyStore()
-    original = entry_name(s.vault_id, s.kid)
-    for name in keyring_entries(s.vault_id):
-        if name != original:
-            ks.delete(name)
-    ks.set(original, s.key)
+    put_back(s.db, s.image, s.vault_id, s.kid, s.key)
 
 
 def check(s: Setup, label: str) -> None:

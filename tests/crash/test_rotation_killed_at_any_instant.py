@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import authenticated_counts, keyring_entries, raw_bytes, run_cli
-from tests.crashkit import start_writer, writer_items
+from tests.crashkit import put_back, start_writer, writer_items
 from vault import crypto
 from vault.engines.sqlite.vault import Vault, shred
 from vault.keyjournal import entry_name
@@ -132,16 +132,8 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BigVault]:
 
 def restore(big: BigVault) -> None:
     """The vault as built: file bytes back, only the original key's entry in the keyring."""
-    for suffix in ("-wal", "-shm", "-journal"):
-        big.db.with_name(big.db.name + suffix).unlink(missing_ok=True)
-    big.db.write_bytes(big.image)
-    os.chmod(big.db, 0o600)
-    ks = KeyStore()
+    put_back(big.db, big.image, big.vault_id, big.kid, big.key)
     original = entry_name(big.vault_id, big.kid)
-    for name in keyring_entries(big.vault_id):
-        if name != original:
-            ks.delete(name)
-    ks.set(original, big.key)
     assert keyring_entries(big.vault_id) == {original: big.key}
 
 

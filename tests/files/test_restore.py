@@ -13,14 +13,13 @@ import os
 import random
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, add_items, run_cli, user
+from tests.conftest import add_items, run_cli, user
+from tests.crashkit import killed_cli
 from tests.keys.test_rotation import one_line_error
 from vault import Vault
 
@@ -197,21 +196,8 @@ def test_restore_refuses_while_another_process_has_the_vault_open(
 
 
 def killed_restore(vault_db: Path, dest: Path, failpoint: str | None, delay: float | None) -> int:
-    env = dict(os.environ)
-    if failpoint:
-        env["MEMVAULT_FAILPOINT"] = failpoint
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vault", "--db", str(vault_db), "restore", str(dest), "--yes"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=ROOT,
-        env=env,
-    )
-    if delay is not None:
-        time.sleep(delay)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-    return proc.wait(timeout=120)
+    args = ("--db", str(vault_db), "restore", str(dest), "--yes")
+    return killed_cli(*args, failpoint=failpoint, delay=delay)
 
 
 STEPS = {  # the named step, and whose contents the vault holds after a kill there

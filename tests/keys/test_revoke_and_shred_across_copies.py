@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import add_items, keyring_entries, raw_bytes, run_cli, user
 from vault import crypto
 from vault.keyjournal import entry_name
+from vault.keys import KeyStore
 
 KILLED = -9
 
@@ -111,6 +112,23 @@ def test_status_says_when_a_revocation_is_unfinished(vault: Any, vault_db: Path)
     assert st["key"].startswith("key revoked (incomplete")
     assert run_cli("revoke", "--yes").code == 0
     assert run_cli("--json", "status").json()["key"] == "key revoked"
+
+
+def test_a_resumed_shred_destroys_a_key_version_put_back_after_the_first_run(
+    vault: Any, vault_db: Path
+) -> None:
+    add_items(vault_db, "s", [user("x")])
+    sealer = vault.sealer()
+    vid, kid = vault.vault_id, sealer.kid
+    assert run_cli("shred", "--yes", env={"MEMVAULT_FAILPOINT": "shred-after-rows"}).code == KILLED
+    assert keyring_entries(vid) == {}
+    # A recovery kit imported before the shred was finished: the key is back.
+    KeyStore().set(entry_name(vid, kid), sealer.master_key)
+    r = run_cli("--json", "shred", "--yes")
+    assert r.code == 0, r
+    assert keyring_entries(vid) == {}
+    rep = r.json()
+    assert (rep["resumed"], rep["key_destroyed"], rep["destroyed_kids"]) == (True, True, [kid])
 
 
 @pytest.mark.parametrize("point", ["shred-after-key", "shred-after-rows", "shred-during-overwrite"])

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, run_cli
-from tests.pgserver import MARKS, SERVER_URL, entries_left, raw_kids, sql
+from tests.pgserver import MARKS, SERVER_URL, bulk_insert, entries_left, raw_kids, sql
 
 pytestmark = MARKS
 KILLED = -signal.SIGKILL
@@ -64,36 +64,14 @@ def child_env(**extra: str) -> dict[str, str]:
 def prefill(url: str, n: int, sessions: int = 10) -> dict[str, list[str]]:
     """n items sealed under the vault's key, inserted with COPY (the guard checks each
     row); {session id: contents in order}."""
-    import asyncpg
-
-    from vault.engines.postgres.url import parse
-    from vault.engines.postgres.vault import PgVault
-
-    sealer = PgVault.open(url).sealer()
     contents: dict[str, list[str]] = {}
-    records = []
+    texts = []
     for i in range(n):
         sid = f"bulk-{i % sessions}"
         text = f"{sid} item {i} " + "x" * 200
         contents.setdefault(sid, []).append(text)
-        records.append((sid, sealer.seal(sid, {"role": "user", "content": text})))
-    loc = parse(url)
-
-    async def go() -> None:
-        conn = await asyncpg.connect(loc.dsn, server_settings=loc.server_settings())
-        try:
-            async with conn.transaction():
-                await conn.executemany(
-                    "INSERT INTO agent_sessions (session_id) VALUES ($1)",
-                    [(s,) for s in contents],
-                )
-                await conn.copy_records_to_table(
-                    "agent_messages", records=records, columns=["session_id", "message_data"]
-                )
-        finally:
-            await conn.close()
-
-    asyncio.run(go())
+        texts.append((sid, text))
+    bulk_insert(url, texts)
     return contents
 
 

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, keyring_entries, run_cli
+from tests.crashkit import killed_cli
 from tests.keys.test_rotation import one_line_error
-from tests.pgserver import MARKS, raw_kids, sql
+from tests.pgserver import MARKS, bulk_insert, raw_kids, sql
 from vault.keyjournal import entry_name
 
 pytestmark = MARKS
@@ -281,35 +282,27 @@ STEPS = ["pg-admin-locked", "pg-restore-emptied", "pg-restore-batch", "pg-restor
 
 def bulk_write(url: str, start: int, count: int, expected: dict[str, list[str]]) -> None:
     """`count` items sealed under the vault's key, one transaction (the guard checks each)."""
-    import asyncpg
-
-    from vault.engines.postgres.url import parse
-    from vault.engines.postgres.vault import PgVault
-
-    sealer = PgVault.open(url).sealer()
-    records = []
+    texts = []
     for i in range(start, start + count):
         sid = f"s{i % SESSIONS}"
         text = f"{sid} item {i} " + "x" * 100
         expected.setdefault(sid, []).append(text)
-        records.append((sid, sealer.seal(sid, {"role": "user", "content": text})))
-    loc = parse(url)
+        texts.append((sid, text))
+    bulk_insert(url, texts)
 
-    async def go() -> None:
-        conn = await asyncpg.connect(loc.dsn, server_settings=loc.server_settings())
-        try:
-            async with conn.transaction():
-                await conn.executemany(
-                    "INSERT INTO agent_sessions (session_id) VALUES ($1) ON CONFLICT DO NOTHING",
-                    [(f"s{k}",) for k in range(SESSIONS)],
-                )
-                await conn.copy_records_to_table(
-                    "agent_messages", records=records, columns=["session_id", "message_data"]
-                )
-        finally:
-            await conn.close()
 
-    asyncio.run(go())
+def vault_with_backup(
+    url: str, folder: Path, n: int, expected: dict[str, list[str]]
+) -> tuple[str, Path, str]:
+    """A new vault at `url` with `n` items (added to `expected`), backed up into
+    `folder`: (vault id, the backup, the key id it was taken under)."""
+    from vault.engines.postgres.vault import PgVault
+
+    vault_id = PgVault.init(url, ttl=None).vault_id
+    bulk_write(url, 0, n, expected)
+    b = folder / "backup.db"
+    assert run_cli("--db", url, "backup", str(b)).code == 0
+    return vault_id, b, kid_of_vault(url)
 
 
 def contents(url: str) -> dict[str, list[str]]:
@@ -326,37 +319,18 @@ def contents(url: str) -> dict[str, list[str]]:
 
 
 def killed_restore(url: str, b: Path, failpoint: str | None, delay: float | None) -> int:
-    env = {k: v for k, v in os.environ.items() if k not in ("MEMVAULT_FAILPOINT", "MEMVAULT_DB")}
-    if failpoint:
-        env["MEMVAULT_FAILPOINT"] = failpoint
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vault", "--db", url, "restore", str(b), "--yes"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=ROOT,
-        env=env,
-    )
-    if delay is not None:
-        time.sleep(delay)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-    return proc.wait(timeout=300)
+    return killed_cli("--db", url, "restore", str(b), "--yes", failpoint=failpoint, delay=delay)
 
 
 @pytest.mark.crash
 def test_a_restore_killed_at_any_instant_leaves_the_old_rows_or_the_restored_ones(
     pg_url: str, tmp_path: Path
 ) -> None:
-    from vault.engines.postgres.vault import PgVault
 
     seed = int(os.environ.get("MEMVAULT_PG_KILL_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
-    vault_id = PgVault.init(pg_url, ttl=None).vault_id
     restored: dict[str, list[str]] = {}
-    bulk_write(pg_url, 0, N_ITEMS, restored)
-    b = tmp_path / "backup.db"
-    assert run_cli("--db", pg_url, "backup", str(b)).code == 0
-    b_kid = kid_of_vault(pg_url)
+    vault_id, b, b_kid = vault_with_backup(pg_url, tmp_path, N_ITEMS, restored)
     old = {sid: list(items) for sid, items in restored.items()}
     bulk_write(pg_url, N_ITEMS, 300, old)
 

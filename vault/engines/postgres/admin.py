@@ -19,20 +19,20 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from vault import crypto, keyjournal, testhooks
 from vault.engines.postgres import kept as pgkept
 from vault.engines.postgres.conn import translate_after
-from vault.engines.postgres.lock import admin_lock
+from vault.engines.postgres.lock import locked
 from vault.engines.postgres.rotate import FROM, PROGRESS, ROW_BATCH, kid_of
-from vault.engines.postgres.schema import audit, current_schema, record_key
-from vault.engines.sqlite.keptkeys import refuse_revoked, with_backups
+from vault.engines.postgres.schema import audit, record_key, set_meta
+from vault.engines.sqlite.keptkeys import with_backups
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.errors import KeyProblem, OperationFailed, VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, DESTROYED, PENDING, entry_name
+from vault.keyload import refuse_revoked
 from vault.results import KeyVersionInfo, Popped, Report
 from vault.vaultops import parse_ttl, popped_item, ttl_value
 
@@ -40,39 +40,12 @@ if TYPE_CHECKING:
     from vault.engines.postgres.base import Keys
     from vault.engines.postgres.kept import PgKeptVersions as PgVault
 
-T = TypeVar("T")
 DEFAULT_BATCH = 500
 PG_PURGE_NOTE = (
     "VACUUM ran on the table, so PostgreSQL may reuse the deleted rows' space; it does not "
     "overwrite them: their ciphertext may stay in its pages, WAL, archives, replicas and "
     "backups, under the vault's key"
 )
-
-
-async def set_meta(conn: Any, **values: str) -> None:
-    await conn.executemany(
-        "INSERT INTO memvault_meta (key, value) VALUES ($1, $2) "
-        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        list(values.items()),
-    )
-
-
-def locked(vault: PgVault, body: Callable[[Any, str], Awaitable[T]]) -> T:
-    """`body(conn, schema)` on one connection holding the admin lock (no vault: exit 3
-    before any lock is taken)."""
-
-    async def go() -> T:
-        conn = await vault.connect()
-        try:
-            schema = await current_schema(conn)
-            await vault.read_meta(conn)
-            assert schema is not None
-            async with admin_lock(conn, schema, vault.path):
-                return await body(conn, schema)
-        finally:
-            await conn.close()
-
-    return vault.call(go)
 
 
 async def known_kids(conn: Any, meta: dict[str, str]) -> set[str]:

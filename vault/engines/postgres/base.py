@@ -11,18 +11,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
-from vault import crypto
+from vault import crypto, keyload
 from vault.engines.postgres import schema as pgschema
 from vault.engines.postgres.conn import connect, is_driver_error, run_sync, translate
 from vault.engines.postgres.url import PgLocation
-from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.engines.sqlite.schema import (
     GUARD_MESSAGE,
     session_exists_sql,
 )
 from vault.errors import KeyMissing, NotAVault, OperationFailed, VaultBusy, VaultError
 from vault.keyjournal import ROTATING_FROM, entry_name
-from vault.keys import KeyStore, require_key
+from vault.keys import KeyStore
 from vault.vaultops import MetaKeys, unknown_session
 
 T = TypeVar("T")
@@ -132,20 +131,11 @@ class PgVaultBase(MetaKeys):
         """The sealer of the key the vault uses now: the entry `<vault_id>/<kid>`."""
         if self._sealer is not None and not refresh:
             return self._sealer
-        ks = self.keystore
-        ks.check_usable()
-        for _attempt in range(5):
-            meta = self.meta()
-            refuse_revoked(meta)
-            vault_id, kid = meta["vault_id"], meta["kid"]
-            key = ks.get(entry_name(vault_id, kid))
-            if key is None and self.meta()["kid"] != kid:
-                continue  # a rotation committed and dropped that entry meanwhile
-            if key is None:
-                self._refuse_changed_key(vault_id, kid)
-            self._sealer = crypto.Sealer(require_key(key, vault_id, kid, ks.name))
-            return self._sealer
-        raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
+        # The key a rotation moves rows from is loaded when a row names it (sealer_for_kid).
+        _meta, self._sealer = keyload.load(
+            self.keystore, self.path, self.meta, on_missing=self._refuse_changed_key, rotating=False
+        )
+        return self._sealer
 
     def _refuse_changed_key(self, vault_id: str, kid: str) -> None:
         """The current key is not in this keyring: if an older version of this vault is,
@@ -181,19 +171,21 @@ class PgVaultBase(MetaKeys):
         if meta.get(ROTATING_FROM) != kid:
             return None
         ks = self.keystore
-        key = ks.get(entry_name(meta["vault_id"], kid))
-        if key is None and self.meta().get(ROTATING_FROM) != kid:
-            return None  # the rotation finished and deleted the entry meanwhile
-        if key is None:
+
+        def refuse(vault_id: str, kid: str) -> None:
             # A host that imported the new kit during the rotation: no kit holds the old
             # key any more (an older one is refused), so "import KIT" would be no way out.
             raise KeyMissing(
-                f"a rotation of vault {meta['vault_id']} is still moving rows from key {kid}, "
+                f"a rotation of vault {vault_id} is still moving rows from key {kid}, "
                 f"which this keyring ({ks.name}) does not hold; those rows open once it "
                 "ends: wait for it, or, if it was cut off, run `memvault rotate` on a host "
                 "that holds that key"
             )
-        self._others[kid] = crypto.Sealer(require_key(key, meta["vault_id"], kid, ks.name))
+
+        key = keyload.entry_key(ks, meta["vault_id"], kid, self.meta, ROTATING_FROM, refuse)
+        if key is None:
+            return None  # the rotation finished and deleted the entry meanwhile
+        self._others[kid] = crypto.Sealer(key)
         return self._others[kid]
 
     def use_key(self, sealer: crypto.Sealer, retired: str | None = None) -> None:

@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from vault import crypto
 from vault.engines.postgres import schema as pgschema
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, session_exists_sql
-from vault.files import Progress
-from vault.import_source import SourceSession
-from vault.importer import BATCH, Importer
+from vault.importer import BATCH, Importer, Part
 
 if TYPE_CHECKING:
     from vault.engines.postgres.base import Keys
@@ -47,14 +45,8 @@ class PgImporter(Importer):
         # session_ids, sealer, record); the writing is this class's own.
         return cast("PgVault", self.vault)
 
-    def _import_session(
-        self,
-        s: SourceSession,
-        sealer: crypto.Sealer,
-        part: int,
-        parts: int,
-        progress: Progress | None,
-    ) -> int:
+    def _import_session(self, p: Part, sealer: crypto.Sealer) -> int:
+        s, part, parts, progress = p.session, p.number, p.of, p.progress
         sid = s.session_id
         rows = self._source_rows(s)
 

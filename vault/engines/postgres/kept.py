@@ -13,9 +13,9 @@ from vault import retention, testhooks
 from vault.engines.postgres.base import PgVaultBase
 from vault.engines.postgres.lock import admin_lock
 from vault.engines.postgres.schema import audit, current_schema, record_key
-from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.errors import BadInput
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED, entry_name
+from vault.keyload import refuse_revoked
 
 RECORDS = "SELECT backup_id, path, kid, created_at FROM memvault_backups ORDER BY seq"
 

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vault import testhooks
+from vault.engines.postgres.schema import current_schema
 from vault.engines.sqlite.db import lock_timeout
 from vault.errors import VaultBusy
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.base import PgVaultBase
+
+T = TypeVar("T")
 
 ADMIN_LOCK = "memvault-admin"
 OPERATIONS = "rotation, purge, restore, revoke or shred"
@@ -47,3 +53,21 @@ async def admin_lock(conn: Any, schema: str, where: str) -> AsyncIterator[None]:
             await conn.execute(
                 "SELECT pg_advisory_unlock(hashtext($1), hashtext($2))", ADMIN_LOCK, schema
             )
+
+
+def locked(vault: PgVaultBase, body: Callable[[Any, str], Awaitable[T]]) -> T:
+    """`body(conn, schema)` on one connection holding the admin lock (no vault: exit 3
+    before any lock is taken)."""
+
+    async def go() -> T:
+        conn = await vault.connect()
+        try:
+            schema = await current_schema(conn)
+            await vault.read_meta(conn)
+            assert schema is not None
+            async with admin_lock(conn, schema, vault.path):
+                return await body(conn, schema)
+        finally:
+            await conn.close()
+
+    return vault.call(go)

@@ -37,8 +37,8 @@ from vault import paths, retention, testhooks
 from vault.crypto import ItemState, Sealer
 from vault.engines.postgres import kept as pgkept
 from vault.engines.postgres.backup import refuse_unsettled
-from vault.engines.postgres.lock import admin_lock
-from vault.engines.postgres.schema import audit, current_schema, record_key
+from vault.engines.postgres.lock import locked
+from vault.engines.postgres.schema import audit, record_key
 from vault.engines.sqlite.db import peek, sqlite_errors
 from vault.engines.sqlite.restore import RestorePlan, verified_plan
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
@@ -81,18 +81,10 @@ def restore(vault: PgVault, plan: RestorePlan) -> dict[str, Any]:
     if sealer.kid != plan.kid:
         raise OperationFailed(f"{src} changed since it was checked; run restore again")
 
-    async def go() -> dict[str, Any]:
-        conn = await vault.connect()
-        try:
-            schema = await current_schema(conn)
-            await vault.read_meta(conn)
-            assert schema is not None
-            async with admin_lock(conn, schema, vault.path):
-                return await _locked(vault, conn, plan, sealer)
-        finally:
-            await conn.close()
+    async def body(conn: Any, _schema: str) -> dict[str, Any]:
+        return await _locked(vault, conn, plan, sealer)
 
-    out = vault.call(go)
+    out = locked(vault, body)
     vault.forget_keys()
     vault.use_key(sealer)
     return out
@@ -133,18 +125,10 @@ async def _locked(vault: PgVault, conn: Any, plan: RestorePlan, sealer: Sealer) 
             await record_key(conn, sealer.kid, CURRENT)
             testhooks.failpoint("pg-restore-emptied")
             sessions, items = await _copy_rows(conn, reader, src, sealer)
-            await audit(
-                conn,
-                "restore",
-                sealer.kid,
-                source=plan.source,
-                backup_id=plan.backup_id,
-                backed_up_at=plan.backed_up_at,
-                items=items,
-                sessions=sessions,
-                replaced_kid=old,
-                replaced_items=replaced,
+            details = plan.audited(
+                items=items, sessions=sessions, replaced_kid=old, replaced_items=replaced
             )
+            await audit(conn, "restore", sealer.kid, **details)
     testhooks.failpoint("pg-restore-committed")
     fate = None
     if old != sealer.kid:

@@ -41,13 +41,13 @@ from vault.engines.postgres.conn import (
     translate_after,
 )
 from vault.engines.postgres.lock import admin_lock
-from vault.engines.postgres.schema import audit, current_schema, record_key
+from vault.engines.postgres.schema import audit, current_schema, record_key, set_meta
 from vault.engines.sqlite.db import parse_ttl
-from vault.engines.sqlite.lifecycle import refuse_revoked
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.errors import VaultBusy, VaultError
 from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
+from vault.keyload import refuse_revoked
 from vault.keys import require_key
 from vault.results import Report
 
@@ -68,14 +68,6 @@ UNCHANGED_UPDATE = (
     "FROM unnest($1::text[], $2::int8[], $3::text[]) AS u(new, id, old) "
     "WHERE m.id = u.id AND m.message_data = u.old"
 )
-
-
-async def _set(conn: Any, **values: str) -> None:
-    await conn.executemany(
-        "INSERT INTO memvault_meta (key, value) VALUES ($1, $2) "
-        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        list(values.items()),
-    )
 
 
 def rotate(
@@ -195,7 +187,7 @@ async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, cr
         await conn.execute(f"LOCK TABLE {MESSAGES_TABLE} IN SHARE MODE")
         if kid != old.kid:  # cannot happen under the lock; refuse rather than guess
             raise VaultBusy(f"{vault.path} changed key while the rotation began; try again")
-        await _set(conn, kid=new.kid, rotated_at=utcnow(), **{FROM: old.kid, PROGRESS: "0"})
+        await set_meta(conn, kid=new.kid, rotated_at=utcnow(), **{FROM: old.kid, PROGRESS: "0"})
         await record_key(conn, old.kid, RETIRED)
         await record_key(conn, new.kid, CURRENT)
     testhooks.failpoint("pg-rotate-after-switch")
@@ -243,7 +235,7 @@ class PgRows:
                     [u[2] for u in updates],
                 )
                 if progress is not None:
-                    await _set(conn, **{PROGRESS: str(progress)})
+                    await set_meta(conn, **{PROGRESS: str(progress)})
                 return int(status.split()[-1])
 
         return self.held.run(write)

@@ -249,6 +249,15 @@ async def audit(conn: Any, event: str, kid: str | None, **details: Any) -> None:
     )
 
 
+async def set_meta(conn: Any, **values: str) -> None:
+    """Set meta rows, inserting those not there yet (VaultFile's set_meta's twin)."""
+    await conn.executemany(
+        "INSERT INTO memvault_meta (key, value) VALUES ($1, $2) "
+        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        list(values.items()),
+    )
+
+
 async def record_key(conn: Any, kid: str, state: str) -> None:
     """Set one key version's state in the journal (vault.keyjournal.record's twin)."""
     assert state in keyjournal.STATES

@@ -11,14 +11,20 @@ any step is finished by the next one, with the same report.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vault import exportdirs, keyjournal, testhooks
-from vault.engines.postgres.admin import kids_in_use, known_kids, locked, set_meta
-from vault.engines.postgres.conn import translate_after
-from vault.engines.postgres.schema import _q, record_key
+from vault import exportdirs, shredorder, testhooks
+from vault.engines.postgres.admin import kids_in_use, known_kids
+from vault.engines.postgres.conn import (
+    HeldConnection,
+    is_driver_error,
+    translate,
+    translate_after,
+)
+from vault.engines.postgres.lock import admin_lock
+from vault.engines.postgres.schema import _q, current_schema, record_key, set_meta
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, utcnow
-from vault.engines.sqlite.shred import SHRED_FIELDS
 from vault.keyjournal import DESTROYED
 
 if TYPE_CHECKING:
@@ -41,6 +47,77 @@ VAULT_TABLES = (
 )
 
 
+class _PgSteps:
+    """Shred's steps on a PostgreSQL vault (vault.shredorder), on one connection that
+    holds the admin lock throughout."""
+
+    after_mark = "pg-shred-after-mark"
+    after_keys = "pg-shred-after-keys"
+
+    def __init__(self, vault: PgVault, held: HeldConnection) -> None:
+        self.vault, self.held = vault, held
+        self.meta: dict[str, str] = {}
+        self.keys_touched = False  # from here on a failure says the keys are gone
+
+    def read_meta(self) -> dict[str, str]:
+        self.meta = self.held.run(self.vault.read_meta)
+        return self.meta
+
+    def count(self) -> tuple[int, int]:
+        async def go(conn: Any) -> tuple[int, int]:
+            sessions = await conn.fetchval(
+                f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
+                f"SELECT session_id FROM {MESSAGES_TABLE}) AS s"
+            )
+            return sessions, await conn.fetchval(f"SELECT count(*) FROM {MESSAGES_TABLE}")
+
+        return self.held.run(go)
+
+    def mark(self, meta: dict[str, str], marker: str) -> None:
+        kid = meta.get("revoked_kid", meta["kid"])
+        # The guard refuses every write from here on (the kid is no envelope's).
+        marks = {} if "revoked_at" in meta else {"revoked_at": utcnow(), "revoked_kid": kid}
+
+        async def go(conn: Any) -> None:
+            async with conn.transaction():
+                await set_meta(conn, kid="revoked", shred_started=marker, **marks)
+
+        self.held.run(go)
+
+    def unmark(self) -> None:
+        """Nothing to take back: the mark revoked the vault, and a revoke stays."""
+
+    def keys_kept(self, meta: dict[str, str]) -> dict[str, Any] | None:
+        return None  # a PostgreSQL vault is never a backup (those are files)
+
+    def key_versions(self, meta: dict[str, str], kid: str) -> tuple[set[str], set[str]]:
+        async def go(conn: Any) -> tuple[set[str], set[str]]:
+            return await known_kids(conn, meta), await kids_in_use(conn, kid, meta)
+
+        found = self.held.run(go)
+        self.keys_touched = True
+        return found
+
+    def keys_gone(self, kids: set[str], marker: str) -> None:
+        async def go(conn: Any) -> None:
+            async with conn.transaction():
+                for k in sorted(kids):
+                    await record_key(conn, k, DESTROYED)
+                await set_meta(conn, shred_started=marker)
+
+        self.held.run(go)
+
+    def destroy_rows(self) -> None:
+        async def go(conn: Any) -> None:
+            async with conn.transaction():
+                await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
+                await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
+            await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
+
+        self.held.run(go)
+        testhooks.failpoint("pg-shred-after-vacuum")
+
+
 def shred(vault: PgVault) -> dict[str, Any]:
     """Destroy a PostgreSQL vault: lock, key, rows (then VACUUM), tables, schema.
 
@@ -51,92 +128,55 @@ def shred(vault: PgVault) -> dict[str, Any]:
     ks = vault.keystore
     ks.check_usable()
     report: dict[str, Any] = {"path": vault.path, "backend": vault.backend, "resumed": False}
-
-    async def body(conn: Any, schema: str) -> dict[str, Any]:
-        report["schema"] = schema
-        async with conn.transaction():
-            meta = await vault.read_meta(conn)
-            vault_id = meta["vault_id"]
-            kid = meta.get("revoked_kid", meta["kid"])
-            report["vault_id"], report["kid"] = vault_id, kid
-            created = meta.get("schema_created")
-            if "shred_started" in meta:
-                report.update(json.loads(meta["shred_started"]))
-                report["resumed"] = True
-            else:
-                report["sessions"] = await conn.fetchval(
-                    f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
-                    f"SELECT session_id FROM {MESSAGES_TABLE}) AS s"
-                )
-                report["items"] = await conn.fetchval(f"SELECT count(*) FROM {MESSAGES_TABLE}")
-                for k in SHRED_FIELDS[4:]:
-                    report[k] = None
-                # The guard refuses every write from here on (the kid is no envelope's).
-                marks = {} if "revoked_at" in meta else {"revoked_at": utcnow(), "revoked_kid": kid}
-                await set_meta(
-                    conn,
-                    kid="revoked",
-                    shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}),
-                    **marks,
-                )
-            kids = await known_kids(conn, meta)
-            in_use = await kids_in_use(conn, kid, meta)
-        testhooks.failpoint("pg-shred-after-mark")
-        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
-        if report.get("key_destroyed") is None or outcome["key_destroyed"]:
-            # A resumed run keeps what the first one destroyed, adding what it finds now.
-            before = set(report.get("destroyed_kids") or [])
-            outcome["destroyed_kids"] = sorted(before | set(outcome["destroyed_kids"]))
-            outcome["other_copies_kids"] = sorted(
-                set(report.get("other_copies_kids") or []) | set(outcome["other_copies_kids"])
-            )
-            outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
-            report.update(outcome)
-        try:
-            async with conn.transaction():
-                for k in sorted(kids):
-                    await record_key(conn, k, DESTROYED)
-                await set_meta(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
-            testhooks.failpoint("pg-shred-after-keys")
-            async with conn.transaction():
-                await conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
-                await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
-            await conn.execute(f"VACUUM {MESSAGES_TABLE}, {SESSIONS_TABLE}")
-            testhooks.failpoint("pg-shred-after-vacuum")
-            async with conn.transaction():
-                # The audit trail goes with the tables: first, where forced exports wrote.
-                rows = []
-                if await conn.fetchval("SELECT to_regclass('memvault_audit')") is not None:
-                    rows = await conn.fetch(
-                        "SELECT event, details FROM memvault_audit WHERE event = $1",
-                        exportdirs.EVENT,
-                    )
-                folders = exportdirs.recorded({"event": e, **json.loads(d)} for e, d in rows)
-                for table in VAULT_TABLES:
-                    await conn.execute(f"DROP TABLE IF EXISTS {table}")
-                await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
+    steps: _PgSteps | None = None
+    try:
+        with HeldConnection(vault.loc) as held:
+            schema = held.run(current_schema)
+            held.run(vault.read_meta)  # no vault here: exit 3 before any lock
+            assert schema is not None
+            held.hold(admin_lock(held.conn, schema, vault.path))
+            report["schema"] = schema
+            steps = _PgSteps(vault, held)
+            shredorder.keys_then_rows(steps, lambda: ks, report)
+            folders = held.run(lambda conn: _drop_tables(conn, schema))
             report["tables_dropped"] = list(VAULT_TABLES)
             report["vacuumed"] = True
-            report["schema_dropped"], report["schema_kept_because"] = await _drop_schema(
-                conn, schema, created
+            created = steps.meta.get("schema_created")
+            report["schema_dropped"], report["schema_kept_because"] = held.run(
+                lambda conn: _drop_schema(conn, schema, created)
             )
-        except Exception as exc:
+    except Exception as exc:
+        if steps is not None and steps.keys_touched:
             raise translate_after(
                 exc,
                 vault.loc,
                 "the vault's keys are already destroyed (its rows can never be read again); "
                 "fix that, then run `memvault shred` again to finish",
             ) from None
-        # A killed `export --force` of this vault may have left plaintext where it wrote.
-        report["files"] = exportdirs.clean(folders)
-        report["files_note"] = PG_SHRED_FILES_NOTE
-        report["at"] = utcnow()
-        return report
-
-    try:
-        return locked(vault, body)
+        if is_driver_error(exc):
+            raise translate(exc, vault.loc) from None
+        raise
     finally:
         vault.forget_keys()
+    # A killed `export --force` of this vault may have left plaintext where it wrote.
+    report["files_note"] = PG_SHRED_FILES_NOTE
+    shredorder.finish(report, [], folders)
+    return report
+
+
+async def _drop_tables(conn: Any, schema: str) -> set[Path]:
+    """Drop the vault's tables and guard; first, read where forced exports wrote."""
+    async with conn.transaction():
+        rows = []
+        if await conn.fetchval("SELECT to_regclass('memvault_audit')") is not None:
+            rows = await conn.fetch(
+                "SELECT event, details FROM memvault_audit WHERE event = $1", exportdirs.EVENT
+            )
+        folders = exportdirs.recorded({"event": e, **json.loads(d)} for e, d in rows)
+        for table in VAULT_TABLES:
+            await conn.execute(f"DROP TABLE IF EXISTS {table}")
+        await conn.execute(f"DROP FUNCTION IF EXISTS {_q(schema)}.memvault_guard()")
+    return folders
 
 
 async def _drop_schema(conn: Any, schema: str, created: str | None) -> tuple[bool, str | None]:

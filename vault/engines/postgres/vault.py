@@ -43,6 +43,7 @@ from vault.errors import (
     NotAVault,
 )
 from vault.files import Progress
+from vault.importing import ImportsFiles
 from vault.keys import KeyStore
 from vault.results import Cleared, KeyVersionInfo, Popped, Report, SessionInfo
 from vault.vaultops import (
@@ -75,7 +76,7 @@ PG_ROTATE_NOTE = (
 )
 
 
-class PgVault(pgkept.PgKeptVersions):
+class PgVault(pgkept.PgKeptVersions, ImportsFiles):
     """A vault in a PostgreSQL database or schema. Open with `PgVault.open` / `PgVault.init`."""
 
     backup_note: str | None = (
@@ -355,18 +356,10 @@ class PgVault(pgkept.PgKeptVersions):
             "kept_until_rotation_ends": pgadmin.kept_for_rotation(self),
         }
 
-    def importer(
-        self,
-        source: str,
-        session_id: str | None = None,
-        sessions_table: str | None = None,
-        messages_table: str | None = None,
-        shred_source: bool = False,
-    ) -> PgImporter:
-        """What imports a plaintext SQLiteSession file here (engines.postgres.importer)."""
+    def importer_class(self) -> type[PgImporter]:
         from vault.engines.postgres.importer import PgImporter
 
-        return PgImporter(self, source, session_id, sessions_table, messages_table, shred_source)
+        return PgImporter
 
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:

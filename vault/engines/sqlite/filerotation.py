@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from vault import crypto, keyjournal, rotation, testhooks
 from vault.engines.sqlite.db import audit, read_meta, set_meta
-from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.errors import VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
+from vault.keyload import refuse_revoked
 
 if TYPE_CHECKING:
     from vault.keys import KeyStore

@@ -12,17 +12,10 @@ from typing import Any
 
 from vault import keyjournal, retention, testhooks
 from vault.engines.sqlite.db import VaultFile, audit, read_meta
-from vault.errors import BadInput, KeyRevoked
+from vault.errors import BadInput
 from vault.keyjournal import DESTROYED, RETAINED, entry_name
+from vault.keyload import refuse_revoked
 from vault.results import KeyVersionInfo
-
-
-def refuse_revoked(meta: dict[str, str]) -> None:
-    if "revoked_at" in meta:
-        raise KeyRevoked(
-            f"the key of vault {meta['vault_id']} was revoked on {meta['revoked_at']}; its "
-            "history can never be read again; `memvault shred` removes the vault"
-        )
 
 
 class KeptVersions(VaultFile):

@@ -28,13 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vault import backupmark, crypto, keyjournal, retention, rotation, testhooks
+from vault import backupmark, crypto, keyjournal, keyload, retention, rotation, testhooks
 from vault.engines.sqlite import filerotation, legacy
 from vault.engines.sqlite.db import audit, read_meta, set_meta
 from vault.engines.sqlite.keptkeys import KeptVersions
-from vault.engines.sqlite.keptkeys import (
-    refuse_revoked as refuse_revoked,  # re-exported: both engines refuse
-)
 from vault.engines.sqlite.keptkeys import (
     with_backups as with_backups,  # re-exported: the engines' `key list`
 )
@@ -50,7 +47,7 @@ from vault.keyjournal import (
     ROTATING_FROM,
     entry_name,
 )
-from vault.keys import KeyStore, require_key
+from vault.keys import KeyStore
 from vault.results import KeyVersionInfo, Report
 
 
@@ -92,48 +89,36 @@ class KeyLifecycle(KeptVersions):
         """
         if self._sealer is not None and not refresh:
             return self._sealer
-        ks = self.keystore
-        ks.check_usable()
-        for _attempt in range(5):
-            meta, versions = self.journal()
-            refuse_revoked(meta)
-            vault_id, kid = meta["vault_id"], meta["kid"]
-            if meta["format"] == LEGACY_FORMAT:
-                key = legacy.upgrade(self, self.keystore, meta)
-            else:
-                key = ks.get(entry_name(vault_id, kid))
-                if key is None and self.meta()["kid"] != kid:
-                    key = None  # a rotation committed and dropped that entry meanwhile
-                else:
-                    key = require_key(key, vault_id, kid, ks.name)
-            if key is None:
-                continue  # the file moved on while we looked: read it afresh
-            sealer = crypto.Sealer(key)
-            if ROTATING_FROM in meta:
-                # An online rotation moves rows from this key: both open until it ends.
-                old_kid = meta[ROTATING_FROM]
-                old = ks.get(entry_name(vault_id, old_kid))
-                if old is None and self.meta().get(ROTATING_FROM) != old_kid:
-                    continue  # it ended and dropped that entry meanwhile
-                old = require_key(old, vault_id, old_kid, ks.name)
-                sealer = rotation.RotatingSealer(key, crypto.Sealer(old))
-            self._sealer = sealer
-            if (
-                meta["format"] == LEGACY_FORMAT
-                or keyjournal.LEGACY_MARK in meta
-                or self._untidy(meta, versions)
-            ):
-                self.tidy()
-            if (
-                isinstance(sealer, rotation.RotatingSealer)
-                and not backupmark.is_backup(meta)
-                and filerotation.cut_off(meta)
-            ):
-                # Its process is gone: this command finishes it, as `rotate` would.
-                with contextlib.suppress(VaultBusy):
-                    self._finish_rotation(sealer.old, crypto.Sealer(key), None, True)
-            return self._sealer
-        raise VaultBusy(f"{self.path} kept changing key while memvault read it; try again")
+        read: dict[str, list[keyjournal.KeyVersion]] = {}
+
+        def snapshot() -> dict[str, str]:
+            meta, read["versions"] = self.journal()
+            return meta
+
+        def own_key(meta: dict[str, str]) -> tuple[bool, str | None]:
+            if meta["format"] != LEGACY_FORMAT:
+                return False, None
+            return True, legacy.upgrade(self, self.keystore, meta)
+
+        meta, sealer = keyload.load(
+            self.keystore, str(self.path), snapshot, fresh_meta=self.meta, own_key=own_key
+        )
+        self._sealer = sealer
+        if (
+            meta["format"] == LEGACY_FORMAT
+            or keyjournal.LEGACY_MARK in meta
+            or self._untidy(meta, read["versions"])
+        ):
+            self.tidy()
+        if (
+            isinstance(sealer, rotation.RotatingSealer)
+            and not backupmark.is_backup(meta)
+            and filerotation.cut_off(meta)
+        ):
+            # Its process is gone: this command finishes it, as `rotate` would.
+            with contextlib.suppress(VaultBusy):
+                self._finish_rotation(sealer.old, crypto.Sealer(sealer.master_key), None, True)
+        return self._sealer
 
     def tidy(self) -> None:
         """Finish what a crash left: the table's "next open" column.

@@ -82,6 +82,15 @@ class RestorePlan:
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def audited(self, **more: Any) -> dict[str, Any]:
+        """The details of the `restore` audit event (both engines): the backup, then `more`."""
+        return {
+            "source": self.source,
+            "backup_id": self.backup_id,
+            "backed_up_at": self.backed_up_at,
+            **more,
+        }
+
 
 def verified_plan(
     src: Path, path: str, meta: dict[str, str], replaces: bool, checked: list[str]
@@ -298,16 +307,8 @@ def _copy(
             if rec.backup_id not in have:
                 retention.add(conn, rec)
         set_meta(conn, scrub_pending="0")
-        audit(
-            conn,
-            "restore",
-            plan.kid,
-            source=plan.source,
-            backup_id=plan.backup_id,
-            backed_up_at=plan.backed_up_at,
-            items=plan.items,
-            replaced_kid=replaced_kid,
-        )
+        details = plan.audited(items=plan.items, replaced_kid=replaced_kid)
+        audit(conn, "restore", plan.kid, **details)
 
     try:
         vacuum_copy(Vault(src), new, adjust, "restore")

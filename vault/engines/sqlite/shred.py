@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vault import backupmark, erase, exportdirs, files, keyjournal, paths, testhooks
+from vault import backupmark, erase, exportdirs, files, keyjournal, paths, shredorder, testhooks
 from vault.engines.sqlite import damaged, restorestate
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
@@ -38,7 +38,6 @@ from vault.engines.sqlite.schema import (
     SESSIONS_TABLE,
     SHRED_MAGIC,
     SQLITE_MAGIC,
-    utcnow,
 )
 from vault.errors import NotAVault, OperationFailed, VaultCorrupt, VaultError
 from vault.files import Progress
@@ -49,30 +48,64 @@ class _Damaged(Exception):
     """SQLite cannot read the vault (damaged or truncated): shred it without SQLite."""
 
 
-# What a shred records before it destroys anything, so that a run cut off is finished
-# by the next with the same report (a PostgreSQL shred records the same).
-SHRED_FIELDS = (
-    "vault_id",
-    "kid",
-    "sessions",
-    "items",
-    "key_destroyed",
-    "destroyed_kids",
-    "other_copies_kids",
-    "foreign_kid",
-)
+class _FileSteps:
+    """Shred's steps on a vault file (vault.shredorder), on one connection in exclusive
+    locking mode: the lock outlives each commit until the connection closes."""
 
+    after_mark = "shred-after-mark"
+    after_keys = "shred-after-key"
 
-def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
-    """Under the exclusive lock: counts, marker, key, then every row. Raises _Damaged."""
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self.conn, self.path = conn, path
 
-    def count(conn: sqlite3.Connection) -> None:
-        report["sessions"] = conn.execute(
+    def read_meta(self) -> dict[str, str]:
+        lock_exclusively(self.conn, self.path, "run shred again; nothing was destroyed")
+        return read_meta(self.conn, self.path)
+
+    def count(self) -> tuple[int, int]:
+        sessions = self.conn.execute(
             f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "
             f"SELECT session_id FROM {MESSAGES_TABLE})"
         ).fetchone()[0]
-        report["items"] = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
+        items = self.conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
+        return sessions, items
 
+    def mark(self, meta: dict[str, str], marker: str) -> None:
+        set_meta(self.conn, **{shredorder.MARK: marker})
+        self.conn.execute("COMMIT")
+        self.conn.execute("BEGIN EXCLUSIVE")
+
+    def unmark(self) -> None:
+        # The key is still there: leave no sign of a shred that never destroyed anything.
+        with contextlib.suppress(sqlite3.Error):
+            self.conn.execute("DELETE FROM memvault_meta WHERE key = ?", (shredorder.MARK,))
+            self.conn.execute("COMMIT")
+
+    def keys_kept(self, meta: dict[str, str]) -> dict[str, Any] | None:
+        if not backupmark.is_backup(meta):
+            return None
+        of = meta[backupmark.BACKUP_OF]
+        return {"backup_of": of, "keys_kept": damaged.KEYS_KEPT.format(of)}
+
+    def key_versions(self, meta: dict[str, str], kid: str) -> tuple[set[str], set[str]]:
+        # Every version the file records: a backup restored with an older kit dies with it.
+        pending = {v.kid for v in keyjournal.versions(self.conn) if v.state == keyjournal.PENDING}
+        return keyjournal.known_kids(self.conn, meta), {kid} | pending
+
+    def keys_gone(self, kids: set[str], marker: str) -> None:
+        # Committed with the rows' deletion: the journal goes with the file.
+        set_meta(self.conn, **{shredorder.MARK: marker})
+
+    def destroy_rows(self) -> None:
+        self.conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
+        self.conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
+        self.conn.execute("DELETE FROM memvault_audit")
+        self.conn.execute("COMMIT")
+        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -> None:
+    """Under the exclusive lock: shred's order (vault.shredorder). Raises _Damaged."""
     try:
         conn = connect(path, timeout=SCRUB_WAIT)
     except sqlite3.Error as exc:
@@ -82,72 +115,9 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
     try:
         with sqlite_errors(path):
             try:
-                lock_exclusively(conn, path, "run shred again; nothing was destroyed")
-                meta = read_meta(conn, path)
-                vault_id = meta["vault_id"]
-                kid = meta.get("revoked_kid", meta["kid"])
-                report["vault_id"], report["kid"] = vault_id, kid
-                wrote_marker = False
-                if "shred_started" in meta:
-                    # A shred was cut off: finish it as it began.
-                    report.update(json.loads(meta["shred_started"]))
-                    report["resumed"] = True
-                    if report.get("key_destroyed") is None:
-                        # Cut off before its rows went (they go in the commit that records
-                        # the key's fate): count what is there now.
-                        count(conn)
-                else:
-                    count(conn)
-                    report["key_destroyed"] = report["foreign_kid"] = None
-                    report["destroyed_kids"] = report["other_copies_kids"] = None
-                    # Recorded before the key goes, so a run cut off after destroying it
-                    # says so. In exclusive locking mode the lock outlives this commit.
-                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
-                    conn.execute("COMMIT")
-                    conn.execute("BEGIN EXCLUSIVE")
-                    wrote_marker = True
-                if backupmark.is_backup(meta) and report.get("key_destroyed") is None:
-                    # A backup shares its key versions with the live vault: they stay.
-                    of = meta[backupmark.BACKUP_OF]
-                    report.update(backup_of=of, keys_kept=damaged.KEYS_KEPT.format(of))
-                    report.update(key_destroyed=False, destroyed_kids=[], other_copies_kids=[])
-                    report["foreign_kid"] = None
-                if report.get("key_destroyed") is None:
-                    # The keys go first: from here on a crash leaves only unreadable
-                    # ciphertext. Every version the file records: a backup restored
-                    # with an older kit dies with it.
-                    try:
-                        ks = keystore or KeyStore()
-                        ks.check_usable()
-                        in_use = {kid} | {
-                            v.kid
-                            for v in keyjournal.versions(conn)
-                            if v.state == keyjournal.PENDING
-                        }
-                        outcome = keyjournal.destroy_entries(
-                            ks, vault_id, keyjournal.known_kids(conn, meta), in_use
-                        )
-                    except BaseException:
-                        if wrote_marker:
-                            # The key is still there: leave no sign of a shred that never
-                            # destroyed anything.
-                            with contextlib.suppress(sqlite3.Error):
-                                conn.execute(
-                                    "DELETE FROM memvault_meta WHERE key = ?", ("shred_started",)
-                                )
-                                conn.execute("COMMIT")
-                        raise
-                    if report["resumed"]:
-                        # The cut-off run may have destroyed it already: it is gone either way.
-                        outcome["key_destroyed"] = True
-                    report.update(outcome)
-                    testhooks.failpoint("shred-after-key")
-                    set_meta(conn, shred_started=json.dumps({k: report[k] for k in SHRED_FIELDS}))
-                conn.execute(f"DELETE FROM {MESSAGES_TABLE}")
-                conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
-                conn.execute("DELETE FROM memvault_audit")
-                conn.execute("COMMIT")
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                shredorder.keys_then_rows(
+                    _FileSteps(conn, path), lambda: keystore or KeyStore(), report
+                )
             except sqlite3.DatabaseError as exc:
                 if is_damage(exc):
                     raise _Damaged() from exc
@@ -305,8 +275,7 @@ def shred(
     # A killed `export --force` of this vault may have left plaintext beside it, or in a
     # folder its audit trail named.
     folders = {path.absolute().parent} | {Path(f) for f in report.get("export_folders") or []}
-    report["files"] = done + removed + exportdirs.clean(folders)
-    report["at"] = utcnow()
+    shredorder.finish(report, done + removed, folders)
     return report
 
 

@@ -53,6 +53,7 @@ from vault.errors import (
     VaultBusy,
 )
 from vault.files import Progress
+from vault.importing import ImportsFiles
 from vault.keys import KeyStore
 from vault.results import Cleared, Popped, Report, SessionInfo
 from vault.vaultops import (
@@ -91,7 +92,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------
 # The vault
 # --------------------------------------------------------------------------
-class Vault(KeyLifecycle):
+class Vault(KeyLifecycle, ImportsFiles):
     """The library object behind every command. Open with `Vault.open` or `Vault.init`.
 
     Its key (sealer, rotate, revoke) comes from `KeyLifecycle`; its connections,
@@ -355,18 +356,10 @@ class Vault(KeyLifecycle):
 
         return backup(self, dest)
 
-    def importer(
-        self,
-        source: str,
-        session_id: str | None = None,
-        sessions_table: str | None = None,
-        messages_table: str | None = None,
-        shred_source: bool = False,
-    ) -> Importer:
-        """What imports a plaintext SQLiteSession file into this file (vault.importer)."""
+    def importer_class(self) -> type[Importer]:
         from vault.importer import Importer
 
-        return Importer(self, source, session_id, sessions_table, messages_table, shred_source)
+        return Importer
 
     # -- agent sessions -------------------------------------------------
     def session(self, session_id: str, *, session_settings: Any = None) -> Any:
