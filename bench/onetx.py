@@ -13,11 +13,11 @@ import time
 
 from vault import crypto, keyjournal
 from vault.engines.sqlite.db import audit, read_meta, row_batches, set_meta
-from vault.engines.sqlite.lifecycle import refuse_revoked
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.engines.sqlite.vault import Vault
 from vault.errors import VaultBusy
 from vault.keyjournal import CURRENT, PENDING, RETIRED, entry_name
+from vault.keyload import refuse_revoked
 from vault.results import Report
 
 

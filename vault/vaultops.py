@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 from vault import crypto, durations
 from vault.errors import (
@@ -142,6 +142,25 @@ def tally(opened: Iterable[crypto.Opened]) -> tuple[list[Any], int, int]:
         else:
             unreadable += 1
     return out, expired, unreadable
+
+
+class _OpensItems(Protocol):
+    def opened_items(
+        self, session_id: str, limit: int | None = None, now: int | None = None
+    ) -> Iterator[crypto.Opened]: ...
+
+
+class ReadsItems:
+    """A base of `Vault` and `PgVault`: `items()`, once, over each engine's `opened_items`."""
+
+    def items(
+        self, session_id: str, limit: int | None = None, now: int | None = None
+    ) -> tuple[list[Any], int, int]:
+        """(readable items oldest first, expired count, unreadable count).
+
+        With `limit`, the newest `limit` stored rows are considered, as the SDK does.
+        """
+        return tally(cast(_OpensItems, self).opened_items(session_id, limit, now))
 
 
 def popped_item(sealer: crypto.Sealer, session_id: str, row_id: int | str, data: str) -> Any:

@@ -47,12 +47,12 @@ from vault.importing import ImportsFiles
 from vault.keys import KeyStore
 from vault.results import Cleared, KeyVersionInfo, Popped, Report, SessionInfo
 from vault.vaultops import (
+    ReadsItems,
     key_state,
     parse_ttl,
     popped_item,
     refuse_unreadable,
     status_doc,
-    tally,
 )
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ PG_ROTATE_NOTE = (
 )
 
 
-class PgVault(pgkept.PgKeptVersions, ImportsFiles):
+class PgVault(pgkept.PgKeptVersions, ImportsFiles, ReadsItems):
     """A vault in a PostgreSQL database or schema. Open with `PgVault.open` / `PgVault.init`."""
 
     backup_note: str | None = (
@@ -159,12 +159,6 @@ class PgVault(pgkept.PgKeptVersions, ImportsFiles):
 
     def session_ids(self) -> list[str]:
         return [i.session_id for i in self.sessions()]
-
-    def items(
-        self, session_id: str, limit: int | None = None, now: int | None = None
-    ) -> tuple[list[Any], int, int]:
-        """(readable items oldest first, expired count, unreadable count), as `Vault.items`."""
-        return tally(self.opened_items(session_id, limit, now))
 
     def opened_items(
         self,

@@ -57,11 +57,11 @@ from vault.importing import ImportsFiles
 from vault.keys import KeyStore
 from vault.results import Cleared, Popped, Report, SessionInfo
 from vault.vaultops import (
+    ReadsItems,
     check_limit,
     open_rows,
     popped_item,
     refuse_unreadable,
-    tally,
     ttl_value,
     unknown_session,
 )
@@ -92,7 +92,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------
 # The vault
 # --------------------------------------------------------------------------
-class Vault(KeyLifecycle, ImportsFiles):
+class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
     """The library object behind every command. Open with `Vault.open` or `Vault.init`.
 
     Its key (sealer, rotate, revoke) comes from `KeyLifecycle`; its connections,
@@ -213,15 +213,6 @@ class Vault(KeyLifecycle, ImportsFiles):
         ).fetchone()
         if not found:
             raise unknown_session(session_id, self.path)
-
-    def items(
-        self, session_id: str, limit: int | None = None, now: int | None = None
-    ) -> tuple[list[Any], int, int]:
-        """(readable items oldest first, expired count, unreadable count).
-
-        With `limit`, the newest `limit` stored rows are considered, as the SDK does.
-        """
-        return tally(self.opened_items(session_id, limit, now))
 
     def opened_items(
         self,
