@@ -98,6 +98,8 @@ class TransitStore(KeyStore):
         return TransitKeySource(self.transit(), self.wrapped)
 
     def get(self, name: str) -> str | None:
+        if self.wrapped is None:
+            return None  # init's store, or a file shred's: no wrapped keys to read
         return self._keys().get(*_split(name))
 
     def set(self, name: str, key: str) -> None:
@@ -142,9 +144,36 @@ def init_store(source: str, mount: str | None) -> TransitStore | None:
     return store
 
 
-def store_for(meta: dict[str, str], wrapped: WrappedKeys) -> TransitStore | None:
-    """The vault's transit store when its meta names one, else None (the keyring)."""
+def store_for(meta: dict[str, str], wrapped: WrappedKeys | None) -> TransitStore | None:
+    """The vault's transit store when its meta names one, else None (the keyring). Without
+    `wrapped` (a file shred: the wrapped keys die with its rows) it deletes nothing."""
     name = parse_source(meta.get(SOURCE, KEYRING))
     if name is None:
         return None
     return TransitStore(name, meta.get(MOUNT, DEFAULT_MOUNT), wrapped)
+
+
+def revoke_source(ks: KeyStore) -> dict[str, str]:
+    """After a revoke dropped a transit vault's wrapped keys: delete its transit key, so
+    that no copy or backup of the vault can be unwrapped either. A token without the
+    right leaves that to the operator, and the result says so (the vault is marked
+    revoked all the same: every host refuses it)."""
+    if not isinstance(ks, TransitStore):
+        return {}
+    from vault.errors import KeySourceDenied
+
+    transit = ks.transit()
+    try:
+        transit.delete_key()
+    except KeySourceDenied:
+        return {
+            "transit_key": "kept",
+            "transit_key_fix": (
+                f"this token may not delete {transit.where()}: the operator must delete it "
+                "to finish the erase (until then a copy or backup of the vault can still "
+                "be unwrapped): bao write "
+                f"{transit.mount}/keys/{transit.key_name}/config deletion_allowed=true, "
+                f"then bao delete {transit.mount}/keys/{transit.key_name}"
+            ),
+        }
+    return {"transit_key": "deleted"}

@@ -20,6 +20,7 @@ from vault.engines.postgres.schema import _q, record_key
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, utcnow
 from vault.engines.sqlite.shred import SHRED_FIELDS
 from vault.keyjournal import DESTROYED
+from vault.keysource.store import revoke_source
 
 if TYPE_CHECKING:
     from vault.engines.postgres.kept import PgKeptVersions as PgVault
@@ -92,6 +93,7 @@ def shred(vault: PgVault) -> dict[str, Any]:
             )
             outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
             report.update(outcome)
+        report.update(revoke_source(ks))  # a transit vault's key: no copy unwraps any more
         try:
             async with conn.transaction():
                 for k in sorted(kids):

@@ -43,6 +43,7 @@ from vault.engines.sqlite.schema import (
 from vault.errors import NotAVault, OperationFailed, VaultCorrupt, VaultError
 from vault.files import Progress
 from vault.keys import KeyStore
+from vault.keysource.store import revoke_source, store_for
 
 
 class _Damaged(Exception):
@@ -117,7 +118,9 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                     # ciphertext. Every version the file records: a backup restored
                     # with an older kit dies with it.
                     try:
-                        ks = keystore or KeyStore()
+                        # A transit vault's wrapped keys go with its rows; its transit
+                        # key is deleted, so that no copy of the file unwraps either.
+                        ks = store_for(meta, None) or keystore or KeyStore()
                         ks.check_usable()
                         in_use = {kid} | {
                             v.kid
@@ -127,6 +130,9 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
                         outcome = keyjournal.destroy_entries(
                             ks, vault_id, keyjournal.known_kids(conn, meta), in_use
                         )
+                        outcome.update(revoke_source(ks))
+                        if outcome.get("transit_key") == "deleted":
+                            outcome["key_destroyed"] = True
                     except BaseException:
                         if wrote_marker:
                             # The key is still there: leave no sign of a shred that never
