@@ -168,3 +168,44 @@ def test_shred_of_a_transit_vault_takes_its_wrapped_keys_and_transit_key(
         assert not vault_db.exists()
     else:
         assert pgserver.sql(db, "SELECT to_regclass('memvault_meta') IS NULL AS gone")[0]["gone"]
+
+
+def test_key_list_says_each_version_is_wrapped_in_the_vault_by_its_transit_key(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    old, new = rotation_by_a_host(db, key, tmp_path)
+    b = host_env(tmp_path, baoserver.host_token(key))
+    doc = ok(cli_at(db, b, "--json", "key", "list"))
+    where = f"transit:{key} at {baoserver.ADDR} (mount transit)"
+    assert doc["key_source"] == where
+    by_kid = {v["kid"]: v for v in doc["keys"]}
+    assert by_kid[new]["state"] == "current"
+    assert by_kid[new]["where"] == where + ", wrapped in the vault"
+    assert by_kid[old]["state"] == "destroyed" and by_kid[old]["where"] is None
+    human = cli_at(db, b, "key", "list")
+    assert human.returncode == 0 and f"keys wrapped in the vault by {where}" in human.stdout
+
+
+def test_a_recovery_kit_restores_a_vault_whose_transit_key_was_lost(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """The documented way back: the operator makes the transit key again (same name),
+    and `key import KIT` wraps the kit's versions with it, in the vault."""
+    db = str(vault_db)
+    init_transit(db, key, tmp_path)
+    b = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, b, "s1", "precious")
+    kit = tmp_path / "kit.json"
+    op = operator_env(tmp_path)
+    exported = cli_at(db, op, "key", "export", "--passphrase-stdin", str(kit), input="pw-1234567\n")
+    assert exported.returncode == 0, exported.stderr
+    admin_transit(key).delete_key()  # lost: every wrapped key is useless now
+    one_line_exit_4(cli_at(db, b, "show", "s1"), "does not exist", "recovery kit")
+    admin_transit(key).ensure_key()  # the operator makes the key again
+    one_line_exit_4(cli_at(db, b, "show", "s1"))  # not by itself: another key
+    imported = cli_at(
+        db, op, "key", "import", "--yes", "--passphrase-stdin", str(kit), input="pw-1234567\n"
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert shown(db, b) == ["precious"]

@@ -72,13 +72,13 @@ def host_env(tmp_path: Path, token: str, **extra: str) -> dict[str, str]:
 
 def operator_env(tmp_path: Path) -> dict[str, str]:
     """The operator's host: its own keyring (the test's), and the admin token."""
-    return {"VAULT_ADDR": ADDR, "VAULT_TOKEN": ADMIN_TOKEN, "HOME": str(tmp_path)}
+    return {**os.environ, "VAULT_ADDR": ADDR, "VAULT_TOKEN": ADMIN_TOKEN, "HOME": str(tmp_path)}
 
 
-def cli_at(db: str, env: dict[str, str], *args: str) -> Any:
+def cli_at(db: str, env: dict[str, str], *args: str, input: str = "") -> Any:
     proc = subprocess.run(
         [sys.executable, "-m", "vault", "--db", db, *args],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, input="",
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, input=input,
     )  # fmt: skip
     return proc
 

@@ -40,13 +40,21 @@ def key_list() -> None:
     """
     vault = open_any()
     versions = vault.key_versions()
+    # Where a present version's key lives: this host's keyring, or wrapped in the vault
+    # by its transit key (at this host's VAULT_ADDR/BAO_ADDR).
+    where = vault.keystore.name
+    wrapped = where.startswith("transit:")
     doc = {
         "vault_id": vault.vault_id,
+        "key_source": where if wrapped else f"keyring ({where})",
         "keys": [
             {
                 "kid": v.kid,
                 "state": v.state,
                 "in_keyring": v.in_keyring,
+                "where": (f"{where}, wrapped in the vault" if wrapped else "keyring")
+                if v.in_keyring
+                else None,
                 "created_at": v.created_at,
                 "backups": list(v.backups),
             }
@@ -55,7 +63,10 @@ def key_list() -> None:
     }
 
     def human() -> None:
-        click.echo(f"{'key id':<22}  {'state':<9}  {'in keyring':<10}  created")
+        if wrapped:
+            say(f"keys wrapped in the vault by {where}")
+        present = "wrapped" if wrapped else "in keyring"
+        click.echo(f"{'key id':<22}  {'state':<9}  {present:<10}  created")
         for v in versions:
             present = "yes" if v.in_keyring else "no"
             say(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")

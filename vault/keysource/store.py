@@ -81,7 +81,7 @@ class TransitStore(KeyStore):
 
             self._transit = Transit(self.key_name, mount=self.mount)
             self.timeout = self._transit.timeout
-            self.name = f"transit:{self.key_name} ({self._transit.where()})"
+            self.name = f"transit:{self.key_name} at {self._transit.addr} (mount {self.mount})"
         return self._transit
 
     def source_rows(self) -> dict[str, str]:
@@ -142,6 +142,22 @@ def init_store(source: str, mount: str | None) -> TransitStore | None:
     store = TransitStore(name, mount if mount is not None else DEFAULT_MOUNT)
     store.transit()  # a bad name or mount, or no VAULT_ADDR/BAO_ADDR: said now
     return store
+
+
+def entry_for_import(ks: KeyStore, name: str) -> str | None:
+    """What `key import` finds at an entry: the key, or None. A transit vault's wrapped
+    key that its transit key no longer unwraps (the key was lost and made again under
+    the same name) is "", something else, which the kit's key then replaces."""
+    if not isinstance(ks, TransitStore):
+        return ks.get(name)
+    from vault.errors import KeyProblem, KeySourceDenied, KeySourceUnavailable
+
+    try:
+        return ks.get(name)
+    except (KeySourceUnavailable, KeySourceDenied):
+        raise  # the service or the token: no statement about the wrapped key
+    except KeyProblem:
+        return ""
 
 
 def store_for(meta: dict[str, str], wrapped: WrappedKeys | None) -> TransitStore | None:
