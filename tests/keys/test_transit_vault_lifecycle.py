@@ -209,3 +209,31 @@ def test_a_recovery_kit_restores_a_vault_whose_transit_key_was_lost(
     )
     assert imported.returncode == 0, imported.stderr
     assert shown(db, b) == ["precious"]
+
+
+def test_after_the_transit_key_rotates_a_rewrap_lets_its_minimum_rise(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    init_transit(db, key, tmp_path)
+    b = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, b, "s1", "one")
+    backup = tmp_path / "backup.db"
+    ok(cli_at(db, b, "backup", str(backup)))
+    copy = tmp_path / "copy.db"
+    copy.write_bytes(vault_db.read_bytes())  # a copy nobody rewraps
+    assert admin_transit(key).rotate_key() == 2  # the operator rotates the transit key
+    r = ok(cli_at(db, b, "--json", "key", "rewrap"))
+    kid = meta_rows(db)["kid"]
+    assert r["rewrapped"] == [kid] and r["versions"] == {kid: 2}
+    # The recorded backup holds its own copy, wrapped by version 1: not safe yet.
+    assert r["safe_min_decryption_version"] == 1
+    assert r["backups_holding_older_versions"] == [str(backup)]
+    assert ok(cli_at(db, b, "--json", "key", "rewrap"))["rewrapped"] == []  # nothing left
+    backup.unlink()  # that backup is gone: nothing needs version 1 any more
+    op = operator_env(tmp_path)
+    r = ok(cli_at(db, op, "--json", "key", "rewrap", "--raise-min"))
+    assert r["safe_min_decryption_version"] == 2 and r["min_decryption_version"] == 2
+    assert admin_transit(key).versions() == (2, 2)
+    assert host_write(db, b, "s1", "two") == ["one", "two"]
+    one_line_exit_4(cli_at(str(copy), b, "show", "s1"), "min_decryption_version", "rewrap")

@@ -1,5 +1,7 @@
-"""`memvault key list` and `key forget`: the key versions a vault knows, and the ones
-kept (retained) for its recorded backups. Logic in vault.retention and the engines.
+"""`memvault key list`, `key forget` and `key rewrap`: the key versions a vault knows,
+the ones kept (retained) for its recorded backups, and a transit vault's wrapped keys
+moved to its transit key's newest version. Logic in vault.retention, vault.rewrap and
+the engines.
 """
 
 from __future__ import annotations
@@ -109,5 +111,51 @@ def key_forget(kid: str, yes: bool) -> None:
         say(f"destroyed retained key {r['kid']} of vault {r['vault_id']}")
         for b in r["unreadable"]:
             say(f"  now unreadable here: {b['path']}")
+
+    emit(r, human)
+
+
+@click.command("rewrap")
+@click.option(
+    "--raise-min",
+    is_flag=True,
+    help="Then raise the transit key's min_decryption_version to the safe one (needs the "
+    "operator's rights on the key).",
+)
+@common
+def key_rewrap(raise_min: bool) -> None:
+    """Move a transit vault's wrapped keys to the transit key's newest version.
+
+    Run it after the operator rotated the transit key (bao write -f
+    transit/keys/KEYNAME/rotate). No plaintext changes and no key leaves the
+    service, so it asks nothing. It says which min_decryption_version is now
+    safe: the oldest transit version still needed by a wrapped key of the vault
+    or of a recorded backup (backups hold their own wrapped copies).
+
+    \b
+    Example:
+      memvault key rewrap
+      memvault key rewrap --raise-min
+    """
+    from vault.rewrap import rewrap
+
+    r = rewrap(open_any(), raise_min)
+
+    def human() -> None:
+        moved = ", ".join(r["rewrapped"]) or "none (all were at the newest version)"
+        say(f"rewrapped by {r['transit_key']}: {moved}")
+        for path in r["backups_holding_older_versions"]:
+            say(f"  backup {path} holds keys wrapped by an older transit version")
+        for path in r["backups_not_read"]:
+            say(f"  backup {path} could not be read: its transit versions are not counted")
+        safe = r["safe_min_decryption_version"]
+        if r["min_decryption_version"] is not None:
+            say(f"min_decryption_version is now {r['min_decryption_version']}")
+        elif safe is not None:
+            say(
+                f"min_decryption_version {safe} is safe now; raise it with "
+                "`memvault key rewrap --raise-min` (operator) or bao write "
+                f"transit/keys/KEYNAME/config min_decryption_version={safe}"
+            )
 
     emit(r, human)

@@ -50,3 +50,15 @@ class PgWrappedKeys:
             return gone is not None
 
         return bool(self.vault.run(write, write=True))
+
+    def replace(self, vault_id: str, kid: str, old: str, new: str) -> bool:
+        async def write(conn: Any) -> bool:
+            done = await conn.fetchval(
+                "UPDATE memvault_meta SET value = $1 WHERE key = $2 AND value = $3 RETURNING 1",
+                new,
+                wrapped_row(kid),
+                old,
+            )
+            return done is not None
+
+        return bool(self.vault.run(write, write=True))

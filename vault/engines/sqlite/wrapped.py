@@ -55,6 +55,16 @@ class FileWrappedKeys:
         with self.vault.write_transaction() as conn:
             return conn.execute(sql, (wrapped_row(kid),)).rowcount > 0
 
+    def replace(self, vault_id: str, kid: str, old: str, new: str) -> bool:
+        with self.vault.write_transaction() as conn:
+            return (
+                conn.execute(
+                    "UPDATE memvault_meta SET value = ? WHERE key = ? AND value = ?",
+                    (new, wrapped_row(kid), old),
+                ).rowcount
+                > 0
+            )
+
 
 def _load(conn: sqlite3.Connection, kid: str) -> str | None:
     row = conn.execute(
