@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from tests import baoserver
+from tests import baoserver, pgserver
 from tests.conftest import ROOT
 from tests.keys.test_transit_vaults import (
     HOST_WRITES,
+    ON_POSTGRES,
     admin_transit,
     cli_at,
     host_env,
@@ -30,6 +31,7 @@ from tests.keys.test_transit_vaults import (
 from vault.errors import KeyMissing
 
 pytestmark = baoserver.MARKS
+DECRYPT_ONLY_POLICY = 'path "transit/decrypt/{key}" {{ capabilities = ["update"] }}\n'
 
 
 @pytest.fixture
@@ -61,6 +63,17 @@ def snapshot(db: Path) -> tuple[list[Any], ...]:
             conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall()
             for t in ("memvault_meta", "memvault_keys", "agent_messages", "memvault_audit")
         )
+
+
+def meta_and_journal(db: str) -> tuple[Any, ...]:
+    query = (
+        "SELECT key, value FROM memvault_meta ORDER BY key",
+        "SELECT kid, state FROM memvault_keys ORDER BY kid",
+    )
+    if db.startswith("postgresql"):
+        return tuple([tuple(r) for r in pgserver.sql(db, q)] for q in query)
+    with sqlite3.connect(db) as conn:
+        return tuple(conn.execute(q).fetchall() for q in query)
 
 
 def one_line_exit_4(proc: Any, *words: str, token: str = "") -> str:
@@ -170,3 +183,18 @@ def test_a_host_the_service_refuses_reads_nothing_and_writes_nothing(
         assert snapshot(db) == before, words
     good = host_env(tmp_path, baoserver.host_token(key))
     assert host_write(str(db), good, "s1", "after") == ["kept", "after"]
+
+
+@pytest.mark.parametrize("where", ["file", pytest.param("postgres", marks=ON_POSTGRES)])
+def test_a_rotation_by_a_token_that_may_not_wrap_writes_nothing(
+    where: str, key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
+) -> None:
+    db = request.getfixturevalue("pg_url") if where == "postgres" else str(vault_db)
+    init_transit(db, key, tmp_path)
+    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    before = meta_and_journal(db)
+    decrypt_only = baoserver.token_with(DECRYPT_ONLY_POLICY.format(key=key))
+    env = host_env(tmp_path, decrypt_only)
+    assert cli_at(db, env, "show", "s1").returncode == 0  # it may read
+    one_line_exit_4(cli_at(db, env, "rotate"), "may not wrap a key (encrypt)", token=decrypt_only)
+    assert meta_and_journal(db) == before

@@ -71,6 +71,7 @@ class TransitStore(KeyStore):
         self.mount = mount
         self.wrapped = wrapped
         self._transit: Transit | None = None
+        self._prewrapped: dict[str, tuple[str, str]] = {}  # entry -> (key id, wrapped)
         self._backend = None
         self._broken = None
         self.name = f"transit:{key_name} (mount {mount})"
@@ -104,7 +105,22 @@ class TransitStore(KeyStore):
 
     def set(self, name: str, key: str) -> None:
         vault_id, kid = _split(name)
+        staged = self._prewrapped.pop(name, None)
+        if staged is not None and staged[0] == kid and self.wrapped is not None:
+            self.wrapped.save(vault_id, kid, staged[1])  # wrapped by `prewrap`
+            return
         self._keys().put(vault_id, kid, key)
+
+    def prewrap(self, name: str, key: str) -> None:
+        """Wrap a new version's key before anything about it is written, so that a
+        token without `encrypt` fails the rotation with nothing written; `set` then
+        stores this wrapped copy."""
+        from vault import crypto
+
+        kid = _split(name)[1]
+        if crypto.key_id(key) != kid:
+            raise BadInput(f"refusing to wrap another key under {kid}")
+        self._prewrapped[name] = (kid, self.transit().wrap(key))
 
     def delete(self, name: str) -> bool:
         """Drop the wrapped key from the vault: no service call, so it works after revoke."""
@@ -119,6 +135,12 @@ class TransitStore(KeyStore):
         transit.check_usable()
         transit.ensure_key()
         return {**self.source_rows(), wrapped_row(kid): transit.wrap(master_key)}
+
+
+def prewrap(ks: KeyStore, name: str, key: str) -> None:
+    """Before a rotation records its new version: a transit vault wraps the key now."""
+    if isinstance(ks, TransitStore):
+        ks.prewrap(name, key)
 
 
 def stage_first_key(ks: KeyStore, vault_id: str, kid: str, key: str) -> dict[str, str]:
