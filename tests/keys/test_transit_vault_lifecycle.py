@@ -237,3 +237,14 @@ def test_after_the_transit_key_rotates_a_rewrap_lets_its_minimum_rise(
     assert admin_transit(key).versions() == (2, 2)
     assert host_write(db, b, "s1", "two") == ["one", "two"]
     one_line_exit_4(cli_at(str(copy), b, "show", "s1"), "min_decryption_version", "rewrap")
+
+
+def test_init_says_the_key_is_wrapped_in_the_vault_by_the_transit_key(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    made = cli_at(str(vault_db), operator_env(tmp_path), "init", "--key-source", f"transit:{key}")
+    assert made.returncode == 0, made.stderr
+    assert f"wrapped in the vault by transit:{key} at {baoserver.ADDR}" in made.stdout
+    assert "losing the transit key loses the history" in made.stdout
+    st = cli_at(str(vault_db), operator_env(tmp_path), "status")
+    assert f"key source transit:{key} (mount transit)" in st.stdout

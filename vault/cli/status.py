@@ -68,19 +68,25 @@ def init(ttl: Any, key_source: str, transit_mount: str | None) -> None:
         "vault_id": meta["vault_id"],
         "kid": meta["kid"],
         "ttl": durations.format_duration(seconds),
-        "keyring": vault.keystore.name,
+        "keyring": (store or vault.keystore).name,  # init's store: it knows its address
         "key_source": source_of(meta),
         # The keyring entry is the only copy of the key: losing it loses the history.
         "next": "memvault key export FILE",
     }
+    # A transit vault's key is wrapped in the vault: a kit is for losing the transit key.
+    held, lost = (
+        ("wrapped in the vault by", "losing the transit key loses")
+        if store is not None
+        else ("stored in", "a lost keyring entry loses")
+    )
     emit(
         data,
         lambda: say(
             f"created vault {data['path']}",
-            f"  key id  {data['kid']} (key stored in {data['keyring']})",
+            f"  key id  {data['kid']} (key {held} {data['keyring']})",
             f"  ttl     {data['ttl']}",
             "  next    make a recovery kit, kept apart from the vault: "
-            "`memvault key export FILE`; without it, a lost keyring entry loses the history",
+            f"`memvault key export FILE`; without it, {lost} the history",
         ),
     )
 
