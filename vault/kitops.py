@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vault import backupmark, crypto
 from vault.errors import KeyMismatch, KeyProblem, KeyRevoked, VaultError
 from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
+from vault.keysource.store import entry_for_import
 from vault.kit import KIT_VERSION, Kit, check_passphrase, load, seal
 from vault.kitfile import check_kit_target, write_kit_file
 
@@ -127,7 +128,7 @@ def import_kit(
     replaced: str | None = None
     for kid in sorted(wanted):
         name = entry_name(vault_id, kid)
-        before = ks.get(name)
+        before = entry_for_import(ks, name)
         if before == keys[kid]:
             states[kid] = "present"
             continue

@@ -9,7 +9,8 @@ to cut off at any instant:
    report (`resumed`). A first run whose keys could not go leaves no marker where
    the engine can take it back (`unmark`).
 2. Every key version the vault ever named goes from this keyring, except other
-   copies' keys (vault.keyjournal.destroy_entries); a backup's versions are the
+   copies' keys (vault.keyjournal.destroy_entries), and a transit vault's transit
+   key is deleted (or the report says the operator must); a backup's versions are the
    live vault's and stay (`keys_kept`). From here on a crash leaves only
    unreadable ciphertext. A resumed run destroys what it finds now and keeps what
    the cut-off one reported: the cut-off run may have destroyed them already, so
@@ -32,6 +33,7 @@ from vault import exportdirs, keyjournal, testhooks
 from vault.engines.sqlite.schema import utcnow
 from vault.errors import KeyProblem
 from vault.keys import KeyStore
+from vault.keysource.store import revoke_source
 
 MARK = "shred_started"
 # What the marker records, so that a run cut off is finished with the same report.
@@ -89,7 +91,7 @@ def marker(report: dict[str, Any]) -> str:
 
 
 def keys_then_rows(
-    steps: ShredSteps, keystore: Callable[[], KeyStore], report: dict[str, Any]
+    steps: ShredSteps, keystore: Callable[[dict[str, str]], KeyStore], report: dict[str, Any]
 ) -> None:
     """Marker, key versions, then rows, in that order (the module doc); fills `report`."""
     meta = steps.read_meta()
@@ -118,10 +120,12 @@ def keys_then_rows(
         return
     recorded = report.get("key_destroyed") is not None
     try:
-        ks = keystore()
+        ks = keystore(meta)
         ks.check_usable()
         kids, in_use = steps.key_versions(meta, kid)
         outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+        # A transit vault's key goes too, so that no copy or backup of it unwraps.
+        source = revoke_source(ks)
     except KeyProblem:
         if not recorded:
             if first:
@@ -135,6 +139,9 @@ def keys_then_rows(
         raise
     if outcome is not None:
         merge(report, outcome)
+        report.update(source)
+        if source.get("transit_key") == "deleted":
+            report["key_destroyed"] = True
     steps.keys_gone(kids, marker(report))
     testhooks.failpoint(steps.after_keys)
     steps.destroy_rows()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from vault import crypto, durations
 from vault.errors import (
@@ -22,9 +22,14 @@ from vault.errors import (
     OperationFailed,
     UnknownSession,
     VaultCorrupt,
+    VaultError,
 )
 from vault.keys import KeyStore
+from vault.keysource.store import source_of
 from vault.results import SessionInfo
+
+if TYPE_CHECKING:
+    from vault.keysource import WrappedKeys
 
 # What `status` says of its counts (and `sessions` of its columns): they come from SQL.
 COUNTS_NOTE = (
@@ -56,12 +61,30 @@ class MetaKeys:
 
     path: Path | str
     _keystore: KeyStore | None = None
+    _source_known = False
 
     def meta(self) -> dict[str, str]:  # pragma: no cover (each engine's)
         raise NotImplementedError
 
+    def wrapped_keys(self) -> WrappedKeys:  # pragma: no cover (each engine's)
+        raise NotImplementedError
+
     @property
     def keystore(self) -> KeyStore:
+        """The store the vault's meta names: the keyring (default, or the one given), or
+        its transit key with the wrapped keys kept in the vault."""
+        if not self._source_known:
+            from vault.keysource.store import store_for
+
+            try:
+                meta = self.meta()
+            except VaultError:
+                meta = None  # no vault (yet, or any more): only the keyring can be meant
+            if meta is not None:
+                self._source_known = True
+                transit = store_for(meta, self.wrapped_keys())
+                if transit is not None:
+                    self._keystore = transit
         if self._keystore is None:
             self._keystore = KeyStore()
         return self._keystore
@@ -201,6 +224,7 @@ def status_doc(
         "ttl": durations.format_duration(ttl),
         "created_at": meta.get("created_at"),
         "rotated_at": rotated,
+        "key_source": source_of(meta),
         "keyring": None,
         "key": None,
         "sessions": len(infos),

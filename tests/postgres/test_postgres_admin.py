@@ -462,6 +462,7 @@ def test_two_hosts_share_a_vault_and_a_rotation_needs_the_new_kit(
             "kid": kid1,
             "state": "current",
             "in_keyring": True,
+            "where": "keyring",
             "created_at": r.json()["keys"][0]["created_at"],
             "backups": [],
         }

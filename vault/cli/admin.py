@@ -143,6 +143,10 @@ def revoke(yes: bool) -> None:
     stays = vault.stays  # "file" or "rows"
     where, removes = ("file stays", "it") if stays == "file" else (f"{stays} stay", "them")
     hosts = f"; {r['other_hosts']}" if "other_hosts" in r else ""
+    if r.get("transit_key") == "deleted":
+        hosts += "; its transit key is deleted: no copy of the vault can be unwrapped"
+    elif r.get("transit_key") == "kept":
+        hosts += "; " + r["transit_key_fix"]
 
     def human() -> None:
         if r["already_revoked"]:

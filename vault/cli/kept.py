@@ -1,5 +1,7 @@
-"""`memvault key list` and `key forget`: the key versions a vault knows, and the ones
-kept (retained) for its recorded backups. Logic in vault.retention and the engines.
+"""`memvault key list`, `key forget` and `key rewrap`: the key versions a vault knows,
+the ones kept (retained) for its recorded backups, and a transit vault's wrapped keys
+moved to its transit key's newest version. Logic in vault.retention, vault.rewrap and
+the engines.
 """
 
 from __future__ import annotations
@@ -40,13 +42,21 @@ def key_list() -> None:
     """
     vault = open_any()
     versions = vault.key_versions()
+    # Where a present version's key lives: this host's keyring, or wrapped in the vault
+    # by its transit key (at this host's VAULT_ADDR/BAO_ADDR).
+    where = vault.keystore.name
+    wrapped = where.startswith("transit:")
     doc = {
         "vault_id": vault.vault_id,
+        "key_source": where if wrapped else f"keyring ({where})",
         "keys": [
             {
                 "kid": v.kid,
                 "state": v.state,
                 "in_keyring": v.in_keyring,
+                "where": (f"{where}, wrapped in the vault" if wrapped else "keyring")
+                if v.in_keyring
+                else None,
                 "created_at": v.created_at,
                 "backups": list(v.backups),
             }
@@ -55,7 +65,10 @@ def key_list() -> None:
     }
 
     def human() -> None:
-        click.echo(f"{'key id':<22}  {'state':<9}  {'in keyring':<10}  created")
+        if wrapped:
+            say(f"keys wrapped in the vault by {where}")
+        present = "wrapped" if wrapped else "in keyring"
+        click.echo(f"{'key id':<22}  {'state':<9}  {present:<10}  created")
         for v in versions:
             present = "yes" if v.in_keyring else "no"
             say(f"{v.kid:<22}  {v.state:<9}  {present:<10}  {v.created_at or 'unknown'}")
@@ -98,5 +111,51 @@ def key_forget(kid: str, yes: bool) -> None:
         say(f"destroyed retained key {r['kid']} of vault {r['vault_id']}")
         for b in r["unreadable"]:
             say(f"  now unreadable here: {b['path']}")
+
+    emit(r, human)
+
+
+@click.command("rewrap")
+@click.option(
+    "--raise-min",
+    is_flag=True,
+    help="Then raise the transit key's min_decryption_version to the safe one (needs the "
+    "operator's rights on the key).",
+)
+@common
+def key_rewrap(raise_min: bool) -> None:
+    """Move a transit vault's wrapped keys to the transit key's newest version.
+
+    Run it after the operator rotated the transit key (bao write -f
+    transit/keys/KEYNAME/rotate). No plaintext changes and no key leaves the
+    service, so it asks nothing. It says which min_decryption_version is now
+    safe: the oldest transit version still needed by a wrapped key of the vault
+    or of a recorded backup (backups hold their own wrapped copies).
+
+    \b
+    Example:
+      memvault key rewrap
+      memvault key rewrap --raise-min
+    """
+    from vault.rewrap import rewrap
+
+    r = rewrap(open_any(), raise_min)
+
+    def human() -> None:
+        moved = ", ".join(r["rewrapped"]) or "none (all were at the newest version)"
+        say(f"rewrapped by {r['transit_key']}: {moved}")
+        for path in r["backups_holding_older_versions"]:
+            say(f"  backup {path} holds keys wrapped by an older transit version")
+        for path in r["backups_not_read"]:
+            say(f"  backup {path} could not be read: its transit versions are not counted")
+        safe = r["safe_min_decryption_version"]
+        if r["min_decryption_version"] is not None:
+            say(f"min_decryption_version is now {r['min_decryption_version']}")
+        elif safe is not None:
+            say(
+                f"min_decryption_version {safe} is safe now; raise it with "
+                "`memvault key rewrap --raise-min` (operator) or bao write "
+                f"transit/keys/KEYNAME/config min_decryption_version={safe}"
+            )
 
     emit(r, human)

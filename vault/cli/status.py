@@ -18,6 +18,7 @@ from vault.cli.common import (
     state,
 )
 from vault.engines.sqlite.schema import DEFAULT_TTL
+from vault.keysource.store import source_of
 
 
 @click.command()
@@ -28,38 +29,64 @@ from vault.engines.sqlite.schema import DEFAULT_TTL
     metavar="DURATION",
     help="How long items stay readable: 90s, 15m, 12h, 30d, 2w or never (default 30d).",
 )
+@click.option(
+    "--key-source",
+    default="keyring",
+    show_default=True,
+    metavar="SOURCE",
+    help="Where the key lives: keyring, or transit:KEYNAME (an OpenBao or HashiCorp Vault "
+    "transit key at VAULT_ADDR/BAO_ADDR, created if missing; the vault keeps the key "
+    "wrapped by it). See docs/fleet.md.",
+)
+@click.option(
+    "--transit-mount",
+    default=None,
+    metavar="PATH",
+    help="The transit engine's mount (default transit).",
+)
 @common
-def init(ttl: Any) -> None:
-    """Create the vault file and its random key in the OS keyring.
+def init(ttl: Any, key_source: str, transit_mount: str | None) -> None:
+    """Create the vault file and its random key in the OS keyring (or wrapped by a
+    transit key, with --key-source transit:KEYNAME).
 
     Refuses, changing nothing, if a vault (or any file) is already there.
 
     \b
-    Example:
+    Examples:
       memvault init --ttl 7d
+      memvault init --key-source transit:memvault-laptop-42
     """
     from vault.engines.registry import init_vault
+    from vault.keysource.store import init_store
 
     seconds = DEFAULT_TTL if ttl is None else ttl[1]
-    vault = init_vault(state().db, ttl=seconds)
+    store = init_store(key_source, transit_mount)
+    vault = init_vault(state().db, ttl=seconds, keystore=store)
     meta = vault.meta()
     data = {
         "path": str(vault.path),
         "vault_id": meta["vault_id"],
         "kid": meta["kid"],
         "ttl": durations.format_duration(seconds),
-        "keyring": vault.keystore.name,
+        "keyring": (store or vault.keystore).name,  # init's store: it knows its address
+        "key_source": source_of(meta),
         # The keyring entry is the only copy of the key: losing it loses the history.
         "next": "memvault key export FILE",
     }
+    # A transit vault's key is wrapped in the vault: a kit is for losing the transit key.
+    held, lost = (
+        ("wrapped in the vault by", "losing the transit key loses")
+        if store is not None
+        else ("stored in", "a lost keyring entry loses")
+    )
     emit(
         data,
         lambda: say(
             f"created vault {data['path']}",
-            f"  key id  {data['kid']} (key stored in {data['keyring']})",
+            f"  key id  {data['kid']} (key {held} {data['keyring']})",
             f"  ttl     {data['ttl']}",
             "  next    make a recovery kit, kept apart from the vault: "
-            "`memvault key export FILE`; without it, a lost keyring entry loses the history",
+            f"`memvault key export FILE`; without it, {lost} the history",
         ),
     )
 
@@ -88,6 +115,8 @@ def status() -> None:
             click.echo(f"folder     mode {st['folder_mode']}")
         for name, f in st["files"].items():
             click.echo(f"  {name:<20} {f['size']:>10} bytes  mode {f['mode']}")
+        if st.get("key_source", "keyring") != "keyring":
+            say(f"key source {st['key_source']}")
         say(f"keyring    {st['keyring']}")
         key = st["key"] + (f": {st['key_problem']}" if st.get("key_problem") else "")
         say(f"key        {key}")

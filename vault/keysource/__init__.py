@@ -6,8 +6,8 @@ itself in the OS keyring, today's default; `transit` (vault.keysource.transit) k
 only a wrapped copy, which a named transit key of OpenBao or HashiCorp Vault unwraps,
 in a `WrappedKeys` store that the vault provides.
 
-Not wired into the vault's key lifecycle yet: nothing outside the tests builds a
-transit source.
+A vault chooses its source at init (`memvault init --key-source`); its meta says which
+(vault.keysource.store).
 """
 
 from __future__ import annotations
@@ -51,3 +51,7 @@ class WrappedKeys(Protocol):
     def save(self, vault_id: str, kid: str, wrapped: str) -> None: ...
 
     def drop(self, vault_id: str, kid: str) -> bool: ...
+
+    def replace(self, vault_id: str, kid: str, old: str, new: str) -> bool:
+        """`new` in place of `old` (a rewrap), only if `old` is still what is stored."""
+        ...

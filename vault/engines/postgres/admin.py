@@ -33,6 +33,7 @@ from vault.errors import KeyProblem, OperationFailed, VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, DESTROYED, PENDING, entry_name
 from vault.keyload import refuse_revoked
+from vault.keysource.store import revoke_source
 from vault.results import KeyVersionInfo, Popped, Report
 from vault.vaultops import parse_ttl, popped_item, ttl_value
 
@@ -188,6 +189,7 @@ def revoke(vault: PgVault) -> dict[str, Any]:
                 await audit(conn, "revoke", kid)
         testhooks.failpoint("pg-revoke-after-mark")
         outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+        outcome.update(revoke_source(ks))
         try:
             async with conn.transaction():
                 for k in sorted(kids):

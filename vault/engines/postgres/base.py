@@ -9,7 +9,7 @@ keyring entry `<vault_id>/<kid>`, as for a file; while an online rotation runs
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from vault import crypto, keyload
 from vault.engines.postgres import schema as pgschema
@@ -23,6 +23,9 @@ from vault.errors import KeyMissing, NotAVault, OperationFailed, VaultBusy, Vaul
 from vault.keyjournal import ROTATING_FROM, entry_name
 from vault.keys import KeyStore
 from vault.vaultops import MetaKeys, unknown_session
+
+if TYPE_CHECKING:
+    from vault.engines.postgres.wrapped import PgWrappedKeys
 
 T = TypeVar("T")
 # What a host says once another host rotated and its keyring lacks the new key.
@@ -126,6 +129,11 @@ class PgVaultBase(MetaKeys):
     # -- meta and key ---------------------------------------------------
     def meta(self) -> dict[str, str]:
         return self.run(self.read_meta)
+
+    def wrapped_keys(self) -> PgWrappedKeys:
+        from vault.engines.postgres.wrapped import PgWrappedKeys
+
+        return PgWrappedKeys(self)
 
     def sealer(self, refresh: bool = False) -> crypto.Sealer:
         """The sealer of the key the vault uses now: the entry `<vault_id>/<kid>`."""

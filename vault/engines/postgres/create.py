@@ -19,6 +19,7 @@ from vault.engines.sqlite.schema import FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, 
 from vault.errors import OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
+from vault.keysource.store import TransitStore, stage_first_key
 from vault.vaultops import new_identity, new_meta
 
 V = TypeVar("V", bound=PgVaultBase)  # PgVault, which calls this: no import circle
@@ -62,9 +63,9 @@ def create(cls: type[V], url: str, ttl: int | None, keystore: KeyStore | None) -
                 )
         # The key goes in first: a failure after it leaves an unused keyring entry
         # (deleted below), never a vault without its key.
-        ks.set(entry_name(vault_id, kid), key)
+        rows = stage_first_key(ks, vault_id, kid, key)  # a transit key: wrapped, for meta
         await pgschema.migrate(conn, schema)
-        meta = new_meta(FORMAT, vault_id, kid, ttl, utcnow())
+        meta = {**new_meta(FORMAT, vault_id, kid, ttl, utcnow()), **rows}
         if created:
             meta["schema_created"] = created
         await conn.executemany(
@@ -79,5 +80,7 @@ def create(cls: type[V], url: str, ttl: int | None, keystore: KeyStore | None) -
         with contextlib.suppress(VaultError):
             ks.delete(entry_name(vault_id, kid))
         raise
+    if isinstance(ks, TransitStore):
+        vault = cls(parse(url), None)  # its store is read from its meta, bound to it
     vault._sealer = crypto.Sealer(key)
     return vault

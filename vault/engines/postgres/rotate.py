@@ -49,6 +49,7 @@ from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
 from vault.keyload import refuse_revoked
 from vault.keys import require_key
+from vault.keysource.store import prewrap
 from vault.results import Report
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, cr
     await pgkept.settle_leftovers(conn, vault_id, meta["kid"], ks.delete)
     old = vault.sealer(refresh=True)
     new = crypto.Sealer(crypto.generate_key())
+    # A transit key wraps it first: a token that may not do so fails with nothing written.
+    prewrap(ks, entry_name(vault_id, new.kid), new.master_key)
     async with conn.transaction():
         await record_key(conn, new.kid, PENDING)
     testhooks.failpoint("pg-rotate-after-record-pending")

@@ -137,7 +137,7 @@ def shred(vault: PgVault) -> dict[str, Any]:
             held.hold(admin_lock(held.conn, schema, vault.path))
             report["schema"] = schema
             steps = _PgSteps(vault, held)
-            shredorder.keys_then_rows(steps, lambda: ks, report)
+            shredorder.keys_then_rows(steps, lambda meta: ks, report)
             folders = held.run(lambda conn: _drop_tables(conn, schema))
             report["tables_dropped"] = list(VAULT_TABLES)
             report["vacuumed"] = True

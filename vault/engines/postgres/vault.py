@@ -327,6 +327,8 @@ class PgVault(pgkept.PgKeptVersions, ImportsFiles, ReadsItems):
 
     def revoke(self) -> dict[str, Any]:
         r = pgadmin.revoke(self)
+        if "transit_key" in r:
+            return r  # the keys were in the vault itself: no host holds one of its own
         # The rows stay in the server, and other hosts keep their own keyrings.
         r["other_hosts"] = (
             "only this host's keyring entries were destroyed: run `memvault revoke --yes` "

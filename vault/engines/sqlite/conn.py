@@ -12,9 +12,11 @@ import math
 import os
 import sqlite3
 import sys
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from vault.engines.sqlite.schema import GUARD_MESSAGE
 from vault.errors import BadInput, NotAVault, OperationFailed, VaultBusy, VaultCorrupt, VaultError
@@ -101,11 +103,56 @@ def configure(conn: sqlite3.Connection, timeout: float) -> None:
         conn.execute("PRAGMA fullfsync = ON")
 
 
+class VaultConnection(sqlite3.Connection):
+    """A connection that knows whether it holds the write lock: a wrapped key stored
+    while a rotation holds it must go into that same transaction (any other connection
+    would wait for the lock its own process holds)."""
+
+    immediate = False
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        if sql[:5].upper() == "BEGIN":
+            self.immediate = sql.upper().split()[1:2] in (["IMMEDIATE"], ["EXCLUSIVE"])
+        return super().execute(sql, parameters)
+
+    @property
+    def holds_write_lock(self) -> bool:
+        return self.in_transaction and self.immediate
+
+
+_opened = threading.local()
+
+
+def open_here() -> list[tuple[Path, sqlite3.Connection]]:
+    """The connections this thread has open through `VaultFile.connection`, innermost last."""
+    if not hasattr(_opened, "conns"):
+        _opened.conns = []
+    conns: list[tuple[Path, sqlite3.Connection]] = _opened.conns
+    return conns
+
+
+def write_locked_connection(path: Path) -> sqlite3.Connection | None:
+    """The connection of this thread that holds `path`'s write lock, if one does: a
+    write made meanwhile must go through it (another connection would wait for it)."""
+    where = path.absolute()
+    for p, conn in reversed(open_here()):
+        if p == where and getattr(conn, "holds_write_lock", False):
+            return conn
+    return None
+
+
 def connect(path: Path, timeout: float | None = None) -> sqlite3.Connection:
     """Open an existing file read-write; never creates one (mode=rw)."""
     uri = "file:" + urllib.parse.quote(str(path)) + "?mode=rw"
     t = lock_timeout() if timeout is None else timeout
-    conn = sqlite3.connect(uri, uri=True, timeout=t, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(
+        uri,
+        uri=True,
+        timeout=t,
+        isolation_level=None,
+        check_same_thread=False,
+        factory=VaultConnection,
+    )
     try:
         configure(conn, t)
     except BaseException:

@@ -29,6 +29,7 @@ from vault.engines.sqlite.schema import FORMAT, SQLITE_MAGIC, migrate, utcnow
 from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
+from vault.keysource.store import TransitStore, stage_first_key
 from vault.vaultops import new_identity, new_meta
 
 # The vault class `create` builds (sqlite.vault.Vault, which calls it: a type variable, so
@@ -137,9 +138,9 @@ def create(
     try:
         # The key goes in first: a kill before the link leaves an unused keyring entry,
         # which the temporary file's name lets the next `init` reclaim.
-        ks.set(entry_name(vault_id, kid), key)
+        rows = stage_first_key(ks, vault_id, kid, key)  # a transit key: wrapped, for meta
         testhooks.failpoint("init-key-stored")
-        _build(cls(tmp, ks), vault_id, kid, ttl)
+        _build(cls(tmp, ks), vault_id, kid, ttl, rows)
         os.fsync(fd)
         testhooks.failpoint("init-built")
         if os.name == "nt":  # Windows unlinks no open file (and has no flock to keep)
@@ -172,19 +173,22 @@ def create(
     finally:
         if fd >= 0:
             os.close(fd)  # last: the lock tells a later `init` that this one is alive
-    vault = cls(path, ks)
+    # A transit vault's store is read from its meta, bound to the vault at its name.
+    vault = cls(path, None if isinstance(ks, TransitStore) else ks)
     vault._sealer = crypto.Sealer(key)
     return vault
 
 
-def _build(vault: VaultFile, vault_id: str, kid: str, ttl: int | None) -> None:
+def _build(
+    vault: VaultFile, vault_id: str, kid: str, ttl: int | None, rows: dict[str, str]
+) -> None:
     """The new vault's tables and meta, in its temporary file, committed."""
     with vault.connection() as conn:
         # Kept by the file; SQLite refuses to change it inside a transaction.
         conn.execute("PRAGMA journal_mode = WAL")
     with vault.write_transaction() as conn:
         migrate(conn)
-        meta = new_meta(FORMAT, vault_id, kid, ttl, utcnow())
+        meta = {**new_meta(FORMAT, vault_id, kid, ttl, utcnow()), **rows}
         conn.executemany("INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items())
         keyjournal.record(conn, kid, CURRENT)
         audit(conn, "init", kid, ttl=durations.format_duration(ttl))

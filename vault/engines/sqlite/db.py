@@ -13,7 +13,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vault import files, paths, testhooks
 from vault.engines.sqlite.conn import (
@@ -28,6 +28,7 @@ from vault.engines.sqlite.conn import (
     keep_temp_in_memory,
     lock_exclusively,
     lock_timeout,
+    open_here,
     peek,
     sqlite_errors,
     translate,
@@ -41,6 +42,9 @@ from vault.engines.sqlite.schema import (
 )
 from vault.errors import NotAVault, OperationFailed, VaultCorrupt
 from vault.vaultops import MetaKeys, parse_ttl
+
+if TYPE_CHECKING:
+    from vault.engines.sqlite.wrapped import FileWrappedKeys
 
 # Connections and their errors are sqlite.conn's, importable from here as they always were.
 __all__ = [
@@ -229,10 +233,13 @@ class VaultFile(MetaKeys):
             read_header(self.path)  # shredded or moved since this object opened it
         with sqlite_errors(self.path):
             conn = connect(self.path, timeout)
+        opened = open_here()
+        opened.append((self.path.absolute(), conn))
         try:
             with sqlite_errors(self.path):
                 yield conn
         finally:
+            opened.remove((self.path.absolute(), conn))
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
@@ -252,6 +259,11 @@ class VaultFile(MetaKeys):
     def meta(self) -> dict[str, str]:
         with self.connection() as conn:
             return read_meta(conn, self.path)
+
+    def wrapped_keys(self) -> FileWrappedKeys:
+        from vault.engines.sqlite.wrapped import FileWrappedKeys
+
+        return FileWrappedKeys(self)
 
     def record(self, event: str, kid: str | None, **details: Any) -> None:
         """Append one audit event in a transaction of its own."""

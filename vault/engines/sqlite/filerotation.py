@@ -33,6 +33,7 @@ from vault.errors import VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
 from vault.keyload import refuse_revoked
+from vault.keysource.store import prewrap
 
 if TYPE_CHECKING:
     from vault.keys import KeyStore
@@ -50,6 +51,9 @@ class KeyLifecycle(Protocol):
 
     @property
     def ttl(self) -> int | None: ...
+
+    @property
+    def vault_id(self) -> str: ...
 
     def sealer(self, refresh: bool = False) -> crypto.Sealer: ...
 
@@ -144,6 +148,8 @@ def start(lc: KeyLifecycle) -> tuple[crypto.Sealer, crypto.Sealer, bool]:
         current = lc.sealer(refresh=True)
         if isinstance(current, rotation.RotatingSealer):
             return current.old, crypto.Sealer(current.master_key), True
+        # A transit key wraps it first: a token that may not do so fails with nothing written.
+        prewrap(lc.keystore, entry_name(lc.vault_id, new.kid), new.master_key)
         with lc.write_transaction() as conn:
             refuse_revoked(read_meta(conn, lc.path))
             keyjournal.record(conn, new.kid, PENDING)

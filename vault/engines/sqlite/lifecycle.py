@@ -48,6 +48,7 @@ from vault.keyjournal import (
     entry_name,
 )
 from vault.keys import KeyStore
+from vault.keysource.store import revoke_source
 from vault.results import KeyVersionInfo, Report
 
 
@@ -318,6 +319,7 @@ class KeyLifecycle(KeptVersions):
             in_use = {kid} | {v.kid for v in keyjournal.versions(conn) if v.state == PENDING}
         testhooks.failpoint("revoke-after-mark")
         outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+        outcome.update(revoke_source(ks))
         with self.write_transaction() as conn:
             known = {v.kid for v in keyjournal.versions(conn)}
             for k in sorted(kids):

@@ -42,6 +42,7 @@ from vault.engines.sqlite.schema import (
 from vault.errors import NotAVault, OperationFailed, VaultCorrupt, VaultError
 from vault.files import Progress
 from vault.keys import KeyStore
+from vault.keysource.store import store_for
 
 
 class _Damaged(Exception):
@@ -116,7 +117,9 @@ def _shred_rows(path: Path, keystore: KeyStore | None, report: dict[str, Any]) -
         with sqlite_errors(path):
             try:
                 shredorder.keys_then_rows(
-                    _FileSteps(conn, path), lambda: keystore or KeyStore(), report
+                    _FileSteps(conn, path),
+                    lambda meta: store_for(meta, None) or keystore or KeyStore(),
+                    report,
                 )
             except sqlite3.DatabaseError as exc:
                 if is_damage(exc):

@@ -1,0 +1,200 @@
+"""A transit vault when the key service cannot help: down, not answering, a wrong token,
+a token without the right to unwrap. Every command exits 4 with one line naming the fix
+(never the token), makes no key and writes nothing; on a real OpenBao server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import baoserver, pgserver
+from tests.conftest import ROOT
+from tests.keys.test_transit_vaults import (
+    HOST_WRITES,
+    ON_POSTGRES,
+    admin_transit,
+    cli_at,
+    host_env,
+    host_write,
+    init_transit,
+    operator_env,
+)
+from vault.errors import KeyMissing
+
+pytestmark = baoserver.MARKS
+DECRYPT_ONLY_POLICY = 'path "transit/decrypt/{key}" {{ capabilities = ["update"] }}\n'
+
+
+@pytest.fixture
+def key() -> Iterator[str]:
+    name = baoserver.key_name()
+    yield name
+    admin_transit(name).delete_key()
+
+
+def closed_port_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def silent_addr() -> Iterator[str]:
+    """A server that takes connections and never answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def snapshot(db: Path) -> tuple[list[Any], ...]:
+    with sqlite3.connect(db) as conn:
+        return tuple(
+            conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall()
+            for t in ("memvault_meta", "memvault_keys", "agent_messages", "memvault_audit")
+        )
+
+
+def meta_and_journal(db: str) -> tuple[Any, ...]:
+    query = (
+        "SELECT key, value FROM memvault_meta ORDER BY key",
+        "SELECT kid, state FROM memvault_keys ORDER BY kid",
+    )
+    if db.startswith("postgresql"):
+        return tuple([tuple(r) for r in pgserver.sql(db, q)] for q in query)
+    with sqlite3.connect(db) as conn:
+        return tuple(conn.execute(q).fetchall() for q in query)
+
+
+def one_line_exit_4(proc: Any, *words: str, token: str = "") -> str:
+    assert proc.returncode == 4, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    if token:
+        assert token not in proc.stderr + proc.stdout
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def token_works(token: str) -> bool:
+    import hvac
+
+    try:
+        hvac.Client(url=baoserver.ADDR, token=token, timeout=30).auth.token.lookup_self()
+    except Exception:
+        return False
+    return True
+
+
+def key_exists(key: str) -> bool:
+    try:
+        admin_transit(key).versions()
+    except KeyMissing:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("why", ["down", "silent", "wrong token", "host token"])
+def test_init_that_the_service_refuses_makes_no_vault_and_no_key(
+    why: str, key: str, tmp_path: Path, vault_db: Path, silent_addr: str
+) -> None:
+    env = operator_env(tmp_path)
+    words: tuple[str, ...]
+    if why == "down":
+        env["VAULT_ADDR"] = closed_port_addr()
+        words = ("cannot reach the key service", "check that it is running")
+    elif why == "silent":
+        env.update(VAULT_ADDR=silent_addr, MEMVAULT_KEYRING_TIMEOUT="1")
+        words = ("did not answer within 1 s", "MEMVAULT_KEYRING_TIMEOUT")
+    elif why == "wrong token":
+        env["VAULT_TOKEN"] = "s.not-a-real-token-0123456789"
+        words = ("refused the token", "get a new token")
+    else:  # a host's token may use a key, not create one
+        env["VAULT_TOKEN"] = baoserver.host_token(key)
+        words = ("may not", "operator")
+    proc = cli_at(str(vault_db), env, "init", "--key-source", f"transit:{key}")
+    one_line_exit_4(proc, *words, token=env["VAULT_TOKEN"])
+    assert not vault_db.exists()
+    assert list(vault_db.parent.iterdir()) == [] if vault_db.parent.exists() else True
+    assert not key_exists(key)
+
+
+@pytest.fixture
+def shared(key: str, tmp_path: Path, vault_db: Path) -> tuple[str, Path]:
+    """A transit vault with one item in it."""
+    init_transit(str(vault_db), key, tmp_path)
+    host_write(str(vault_db), host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    return key, vault_db
+
+
+def failing_hosts(key: str, tmp_path: Path, silent_addr: str) -> list[tuple[dict[str, str], str]]:
+    encrypt_only = baoserver.token_with(baoserver.ENCRYPT_ONLY_POLICY.format(key=key))
+    expired = baoserver.host_token(key, ttl="1s", renewable=False)
+    return [
+        (host_env(tmp_path, "x", VAULT_ADDR=closed_port_addr()), "cannot reach"),
+        (
+            host_env(tmp_path, "x", VAULT_ADDR=silent_addr, MEMVAULT_KEYRING_TIMEOUT="1"),
+            "did not answer within 1 s",
+        ),
+        (host_env(tmp_path, "s.not-a-real-token-0123456789"), "refused the token"),
+        (host_env(tmp_path, encrypt_only), "may not unwrap a key (decrypt)"),
+        (host_env(tmp_path, expired), "refused the token"),
+    ]
+
+
+def test_a_host_the_service_refuses_reads_nothing_and_writes_nothing(
+    shared: tuple[str, Path], tmp_path: Path, silent_addr: str
+) -> None:
+    key, db = shared
+    before = snapshot(db)
+    hosts = failing_hosts(key, tmp_path, silent_addr)
+    expired = hosts[-1][0]["VAULT_TOKEN"]
+    while token_works(expired):  # its 1 s TTL runs out
+        time.sleep(0.1)
+    for env, words in hosts:
+        for args in (("show", "s1"), ("rotate", "--yes"), ("status",)):
+            proc = cli_at(str(db), env, *args)
+            if args == ("status",):
+                assert proc.returncode == 0, proc.stderr
+                assert (
+                    words
+                    in json.loads(cli_at(str(db), env, "--json", "status").stdout)["key_problem"]
+                )
+                continue
+            one_line_exit_4(proc, words, token=env["VAULT_TOKEN"])
+        writer = subprocess.run(
+            [sys.executable, "-c", HOST_WRITES, str(db), "s1", "refused", "none"],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert writer.returncode != 0
+        assert words in writer.stderr and env["VAULT_TOKEN"] not in writer.stderr
+        assert snapshot(db) == before, words
+    good = host_env(tmp_path, baoserver.host_token(key))
+    assert host_write(str(db), good, "s1", "after") == ["kept", "after"]
+
+
+@pytest.mark.parametrize("where", ["file", pytest.param("postgres", marks=ON_POSTGRES)])
+def test_a_rotation_by_a_token_that_may_not_wrap_writes_nothing(
+    where: str, key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
+) -> None:
+    db = request.getfixturevalue("pg_url") if where == "postgres" else str(vault_db)
+    init_transit(db, key, tmp_path)
+    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    before = meta_and_journal(db)
+    decrypt_only = baoserver.token_with(DECRYPT_ONLY_POLICY.format(key=key))
+    env = host_env(tmp_path, decrypt_only)
+    assert cli_at(db, env, "show", "s1").returncode == 0  # it may read
+    one_line_exit_4(cli_at(db, env, "rotate"), "may not wrap a key (encrypt)", token=decrypt_only)
+    assert meta_and_journal(db) == before

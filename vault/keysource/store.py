@@ -1,0 +1,217 @@
+"""A vault's key store, chosen by its meta: the OS keyring's (`KeyStore`, the default),
+or `TransitStore`, for a vault whose meta says `key_source` = `transit:NAME`.
+
+The engines call either the same way: get, set and delete of the entry `<vault_id>/<kid>`.
+A `TransitStore` keeps each version's master key only wrapped by the transit key, in the
+vault itself (the meta row `wrapped_key:<kid>`, through the engine's `WrappedKeys`), and
+unwraps it through the service on each get. Meta rows rather than a table of their own:
+they are written in the very transaction that switches the vault's `kid` (so a kill
+leaves the old state or the new one), and backups, restores and shred already carry or
+drop the meta whole, on both engines, with no migration.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vault.errors import BadInput
+from vault.keys import KeyStore
+
+if TYPE_CHECKING:
+    from vault.keysource import WrappedKeys
+    from vault.keysource.transit import Transit
+    from vault.keysource.wrapped import TransitKeySource
+
+SOURCE = "key_source"  # meta: absent or `keyring`, or `transit:NAME`
+MOUNT = "transit_mount"  # meta: the transit engine's mount, for a transit vault
+WRAPPED = "wrapped_key:"  # meta rows `wrapped_key:<kid>`: one version's wrapped master key
+DEFAULT_MOUNT = "transit"
+KEYRING = "keyring"
+
+
+def parse_source(text: str) -> str | None:
+    """The transit key's name of `transit:NAME`, None for `keyring`; anything else refused."""
+    if text == KEYRING:
+        return None
+    kind, _, name = text.partition(":")
+    if kind != "transit" or not name:
+        raise BadInput(
+            f"{text!r} is not a key source; give keyring, or transit:KEYNAME (a transit key "
+            "of OpenBao or HashiCorp Vault)"
+        )
+    return name
+
+
+def source_of(meta: dict[str, str]) -> str:
+    """What the vault's key source is, for people: `keyring`, or `transit:NAME (mount M)`."""
+    source = meta.get(SOURCE, KEYRING)
+    if source == KEYRING:
+        return source
+    return f"{source} (mount {meta.get(MOUNT, DEFAULT_MOUNT)})"
+
+
+def wrapped_row(kid: str) -> str:
+    return WRAPPED + kid
+
+
+def _split(name: str) -> tuple[str, str]:
+    vault_id, _, kid = name.partition("/")
+    return vault_id, kid
+
+
+class TransitStore(KeyStore):
+    """The KeyStore of a transit vault: nothing in the OS keyring, the wrapped keys in the
+    vault. The service is reached on first need (a delete needs none: it drops the row)."""
+
+    def __init__(
+        self, key_name: str, mount: str = DEFAULT_MOUNT, wrapped: WrappedKeys | None = None
+    ) -> None:
+        # Not KeyStore's: no keyring backend is looked for.
+        self.key_name = key_name
+        self.mount = mount
+        self.wrapped = wrapped
+        self._transit: Transit | None = None
+        self._prewrapped: dict[str, tuple[str, str]] = {}  # entry -> (key id, wrapped)
+        self._backend = None
+        self._broken = None
+        self.name = f"transit:{key_name} (mount {mount})"
+
+    def transit(self) -> Transit:
+        if self._transit is None:
+            from vault.keysource.transit import Transit
+
+            self._transit = Transit(self.key_name, mount=self.mount)
+            self.timeout = self._transit.timeout
+            self.name = f"transit:{self.key_name} at {self._transit.addr} (mount {self.mount})"
+        return self._transit
+
+    def source_rows(self) -> dict[str, str]:
+        return {SOURCE: f"transit:{self.key_name}", MOUNT: self.mount}
+
+    def check_usable(self) -> None:
+        self.transit().check_usable()
+
+    def _keys(self) -> TransitKeySource:
+        from vault.keysource.wrapped import TransitKeySource
+
+        if self.wrapped is None:  # pragma: no cover (only init's store has none)
+            raise BadInput("this transit store belongs to no vault yet")
+        return TransitKeySource(self.transit(), self.wrapped)
+
+    def get(self, name: str) -> str | None:
+        if self.wrapped is None:
+            return None  # init's store, or a file shred's: no wrapped keys to read
+        return self._keys().get(*_split(name))
+
+    def set(self, name: str, key: str) -> None:
+        vault_id, kid = _split(name)
+        staged = self._prewrapped.pop(name, None)
+        if staged is not None and staged[0] == kid and self.wrapped is not None:
+            self.wrapped.save(vault_id, kid, staged[1])  # wrapped by `prewrap`
+            return
+        self._keys().put(vault_id, kid, key)
+
+    def prewrap(self, name: str, key: str) -> None:
+        """Wrap a new version's key before anything about it is written, so that a
+        token without `encrypt` fails the rotation with nothing written; `set` then
+        stores this wrapped copy."""
+        from vault import crypto
+
+        kid = _split(name)[1]
+        if crypto.key_id(key) != kid:
+            raise BadInput(f"refusing to wrap another key under {kid}")
+        self._prewrapped[name] = (kid, self.transit().wrap(key))
+
+    def delete(self, name: str) -> bool:
+        """Drop the wrapped key from the vault: no service call, so it works after revoke."""
+        if self.wrapped is None:
+            return False  # init's store: the row dies with the vault that was not made
+        return self.wrapped.drop(*_split(name))
+
+    def new_vault_rows(self, kid: str, master_key: str) -> dict[str, str]:
+        """The meta rows a new vault holds: its source, and its first key wrapped. Creates
+        the transit key (deletion allowed) if it does not exist yet."""
+        transit = self.transit()
+        transit.check_usable()
+        transit.ensure_key()
+        return {**self.source_rows(), wrapped_row(kid): transit.wrap(master_key)}
+
+
+def prewrap(ks: KeyStore, name: str, key: str) -> None:
+    """Before a rotation records its new version: a transit vault wraps the key now."""
+    if isinstance(ks, TransitStore):
+        ks.prewrap(name, key)
+
+
+def stage_first_key(ks: KeyStore, vault_id: str, kid: str, key: str) -> dict[str, str]:
+    """Init's first key: into the keyring (no meta rows), or wrapped into meta rows."""
+    if isinstance(ks, TransitStore):
+        return ks.new_vault_rows(kid, key)
+    from vault.keyjournal import entry_name
+
+    ks.set(entry_name(vault_id, kid), key)
+    return {}
+
+
+def init_store(source: str, mount: str | None) -> TransitStore | None:
+    """The store `init --key-source SOURCE [--transit-mount MOUNT]` asks for: None for the
+    keyring; a transit store, its name, mount and the service's address checked."""
+    name = parse_source(source)
+    if name is None:
+        if mount is not None:
+            raise BadInput("--transit-mount goes with --key-source transit:KEYNAME only")
+        return None
+    store = TransitStore(name, mount if mount is not None else DEFAULT_MOUNT)
+    store.transit()  # a bad name or mount, or no VAULT_ADDR/BAO_ADDR: said now
+    return store
+
+
+def entry_for_import(ks: KeyStore, name: str) -> str | None:
+    """What `key import` finds at an entry: the key, or None. A transit vault's wrapped
+    key that its transit key no longer unwraps (the key was lost and made again under
+    the same name) is "", something else, which the kit's key then replaces."""
+    if not isinstance(ks, TransitStore):
+        return ks.get(name)
+    from vault.errors import KeyProblem, KeySourceDenied, KeySourceUnavailable
+
+    try:
+        return ks.get(name)
+    except (KeySourceUnavailable, KeySourceDenied):
+        raise  # the service or the token: no statement about the wrapped key
+    except KeyProblem:
+        return ""
+
+
+def store_for(meta: dict[str, str], wrapped: WrappedKeys | None) -> TransitStore | None:
+    """The vault's transit store when its meta names one, else None (the keyring). Without
+    `wrapped` (a file shred: the wrapped keys die with its rows) it deletes nothing."""
+    name = parse_source(meta.get(SOURCE, KEYRING))
+    if name is None:
+        return None
+    return TransitStore(name, meta.get(MOUNT, DEFAULT_MOUNT), wrapped)
+
+
+def revoke_source(ks: KeyStore) -> dict[str, str]:
+    """After a revoke dropped a transit vault's wrapped keys: delete its transit key, so
+    that no copy or backup of the vault can be unwrapped either. A token without the
+    right leaves that to the operator, and the result says so (the vault is marked
+    revoked all the same: every host refuses it)."""
+    if not isinstance(ks, TransitStore):
+        return {}
+    from vault.errors import KeySourceDenied
+
+    transit = ks.transit()
+    try:
+        transit.delete_key()
+    except KeySourceDenied:
+        return {
+            "transit_key": "kept",
+            "transit_key_fix": (
+                f"this token may not delete {transit.where()}: the operator must delete it "
+                "to finish the erase (until then a copy or backup of the vault can still "
+                "be unwrapped): bao write "
+                f"{transit.mount}/keys/{transit.key_name}/config deletion_allowed=true, "
+                f"then bao delete {transit.mount}/keys/{transit.key_name}"
+            ),
+        }
+    return {"transit_key": "deleted"}
