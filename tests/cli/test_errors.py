@@ -199,7 +199,7 @@ def test_no_usable_keyring(vault: Any, vault_db: Path, backend: str, needle: str
     add_items(vault_db, "s", [user("x")])
     before = snapshot(vault_db)
     env = {"PYTHON_KEYRING_BACKEND": backend}
-    for args in (["show", "s"], ["sessions"], ["rotate"], ["clear", "s", "--yes"]):
+    for args in (["show", "s"], ["ttl"], ["rotate"], ["clear", "s", "--yes"]):
         one_line(run_cli(*args, env=env), 4, needle)
     one_line(run_cli("--db", str(vault_db.parent / "new.db"), "init", env=env), 4, needle)
     assert not (vault_db.parent / "new.db").exists()
@@ -217,7 +217,7 @@ def test_missing_key_is_never_replaced(vault: Any, vault_db: Path) -> None:
 
 def test_empty_key_entry(vault: Any, vault_db: Path) -> None:
     keyring.set_password("memvault", key_entry(vault), "")
-    one_line(run_cli("sessions"), 4, "empty or is not a memvault key")
+    one_line(run_cli("ttl"), 4, "empty or is not a memvault key")
     assert keyring.get_password("memvault", key_entry(vault)) == ""
 
 
@@ -227,7 +227,7 @@ def test_wrong_key(vault: Any, vault_db: Path) -> None:
     other = generate_key()
     keyring.set_password("memvault", key_entry(vault), other)
     before = snapshot(vault_db)
-    for args in (["show", "s"], ["sessions"], ["purge", "--yes"], ["rotate"]):
+    for args in (["show", "s"], ["ttl"], ["purge", "--yes"], ["rotate"]):
         one_line(run_cli(*args, env={}), 4, right, key_id(other))
     assert snapshot(vault_db) == before
     assert keyring.get_password("memvault", key_entry(vault)) == other
@@ -252,7 +252,9 @@ c = secretstorage.dbus_init()
 secretstorage.get_default_collection(c).lock()
 P
 set +e
-python -m vault --db "$2" sessions
+python -m vault --db "$2" sessions >/dev/null  # needs no key: works with the keyring locked
+echo "sessions exit=$?"
+python -m vault --db "$2" ttl
 echo "exit=$?" >&2
 """
 
@@ -279,6 +281,7 @@ def test_locked_collection(tmp_path: Path) -> None:
     )
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert err[-1] == "exit=4", proc.stderr
+    assert "sessions exit=0" in proc.stdout, (proc.stdout, proc.stderr)
     assert len([line for line in err if line.startswith("memvault: error:")]) == 1
     assert any("is locked" in line and "unlock" in line for line in err)
     assert "Traceback" not in proc.stderr

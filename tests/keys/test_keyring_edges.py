@@ -68,7 +68,8 @@ def filled(vault: Any, vault_db: Path) -> Path:
     return vault_db
 
 
-COMMANDS = (["show", "s"], ["sessions"], ["rotate"], ["clear", "s", "--yes"])
+# Commands that need the key (`sessions` does not: tests/keys/test_which_commands_need_the_key.py).
+COMMANDS = (["show", "s"], ["ttl"], ["rotate"], ["clear", "s", "--yes"])
 
 
 # -- No Secret Service reachable -----------------------------------------------

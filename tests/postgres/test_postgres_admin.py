@@ -474,7 +474,6 @@ def test_two_hosts_share_a_vault_and_a_rotation_needs_the_new_kit(
     kid2 = r.json()["new_kid"]
     for command in (
         ["show", "s1"],
-        ["sessions"],
         ["pop", "s1"],
         ["clear", "s1", "--yes"],
         ["ttl"],
@@ -488,6 +487,9 @@ def test_two_hosts_share_a_vault_and_a_rotation_needs_the_new_kit(
         assert "memvault key import KIT" in r.err and kid2 in r.err
     st = run_cli("--db", pg_url, "--json", "status", env=b).json()
     assert st["key"] == "unusable" and KEY_CHANGED in st["key_problem"]
+    # `sessions` needs no key: B still lists what is stored.
+    r = run_cli("--db", pg_url, "--json", "sessions", env=b)
+    assert r.code == 0 and [x["session_id"] for x in r.json()] == ["s1"], r
     failed = session_on(pg_url, b)
     assert failed["code"] == 4 and failed["message"].startswith(KEY_CHANGED), failed
     r = run_cli("--db", pg_url, "--json", "key", "list", env=b)

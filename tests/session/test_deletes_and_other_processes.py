@@ -171,7 +171,8 @@ def _rotate_once_between_key_and_rows(monkeypatch: pytest.MonkeyPatch, db: Path)
     return done
 
 
-@pytest.mark.parametrize("read", ["items", "sessions", "status"])
+# `sessions` is not among them: it loads no key, so there is nothing to race.
+@pytest.mark.parametrize("read", ["items", "status"])
 def test_a_rotation_between_key_and_rows_is_not_tampering(
     vault: Any, vault_db: Path, monkeypatch: pytest.MonkeyPatch, read: str
 ) -> None:
@@ -181,9 +182,6 @@ def test_a_rotation_between_key_and_rows_is_not_tampering(
     if read == "items":
         items, expired, unreadable = v.items("s")
         assert (len(items), expired, unreadable) == (3, 0, 0)
-    elif read == "sessions":
-        [info] = v.sessions()
-        assert (info.items, info.expired_unverified) == (3, 0)
     else:
         st = v.status()
         assert (st["items"], st["expired_unverified"], st["key"]) == (3, 0, "present and matching")

@@ -20,6 +20,7 @@ from vault.cli import admin, agent, care, data, history, keys, shell, status
 from vault.cli.common import State, common
 from vault.engines.sqlite.vault import lock_timeout
 from vault.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, VaultError
+from vault.keys import keyring_timeout
 from vault.textsafe import escape_line
 
 
@@ -124,8 +125,9 @@ def cli() -> None:
       memvault status
     """
     # Checked before any command, so a bad value is a usage error even where no
-    # command would have waited for a lock.
+    # command would have waited for a lock or reached the keyring.
     lock_timeout()
+    keyring_timeout()
 
 
 def main() -> None:

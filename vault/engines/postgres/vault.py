@@ -31,6 +31,7 @@ from vault.engines.postgres import schema as pgschema
 from vault.engines.postgres.base import Keys
 from vault.engines.postgres.schema import audit
 from vault.engines.postgres.url import INSTALL_HINT, parse
+from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.engines.sqlite.schema import (
     DEFAULT_TTL,
     FORMAT,
@@ -148,11 +149,12 @@ class PgVault(pgkept.PgKeptVersions, ImportsFiles, ReadsItems):
         return sorted(infos.values(), key=lambda i: i.session_id)
 
     def sessions(self, now: int | None = None) -> list[SessionInfo]:
-        """One row per session, counted in SQL (unverified, as `Vault.sessions`)."""
-        self.sealer()
+        """One row per session, counted in SQL (unverified, as `Vault.sessions`): no key
+        needed, no keyring reached; a revoked vault is refused by its mark."""
 
         async def read(conn: Any) -> list[SessionInfo]:
             meta = await self.read_meta(conn)
+            refuse_revoked(meta)
             return await self._count(conn, parse_ttl(meta, self.path), now)
 
         return self.run(read)

@@ -46,6 +46,7 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import sqlite3
@@ -61,8 +62,9 @@ from cryptography.fernet import InvalidToken
 
 from vault import crypto
 from vault.backupmark import is_backup, refuse
-from vault.engines.sqlite.db import configure, is_busy, lock_timeout, parse_ttl, translate
+from vault.engines.sqlite.db import configure, is_busy, lock_timeout, parse_ttl
 from vault.engines.sqlite.schema import GUARD_MESSAGE
+from vault.engines.sqlite.sdkerrors import also_sqlite, sdk_error, undecodable_rows_as_none
 from vault.errors import NotAVault, UnknownSession, VaultError
 
 if TYPE_CHECKING:
@@ -74,59 +76,10 @@ if TYPE_CHECKING:
 # Stands for "never expires" where the SDK needs a number of seconds.
 NEVER = 1 << 62
 
-
-_BOTH: dict[tuple[type[VaultError], type[sqlite3.Error]], type[VaultError]] = {}
-
-
-def _also_sqlite(err: VaultError, exc: sqlite3.Error) -> VaultError:
-    """`err` (its message and exit code) as an instance of `exc`'s sqlite3 class too.
-
-    Code written against the SDK catches the `sqlite3.Error` subclass SQLiteSession
-    raises (OperationalError for "database is locked" or a missing table); the CLI
-    catches VaultError. A drop-in must satisfy both, so its errors are both.
-    """
-    if isinstance(err, sqlite3.Error):
-        return err
-    key = (type(err), type(exc))
-    cls = _BOTH.get(key)
-    if cls is None:
-        name = type(err).__name__
-        cls = _BOTH[key] = type(name, key, {"__module__": __name__, "__qualname__": name})
-    both = cls.__new__(cls, *err.args)  # not __init__: subclasses' signatures differ
-    both.args = err.args
-    both.__dict__.update(err.__dict__)  # its message, and any field a subclass adds
-    # As sqlite3 sets them, so `except sqlite3.Error` code can still read the cause's code.
-    both.sqlite_errorcode = getattr(exc, "sqlite_errorcode", None)  # type: ignore[attr-defined]
-    both.sqlite_errorname = getattr(exc, "sqlite_errorname", None)  # type: ignore[attr-defined]
-    return both
-
-
-def sdk_error(exc: sqlite3.Error, path: Path) -> VaultError:
-    """The vault's error for an SQLite failure in a session call, of the SDK's type too."""
-    if isinstance(exc, VaultError):
-        return exc  # translated already, further down the same call
-    return _also_sqlite(translate(exc, path), exc)
-
-
-def _undecodable_rows_as_none(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The SDK's row decoding (get_items, pop, compaction) skips a row whose `json.loads`
-    raises JSONDecodeError or TypeError, but not RecursionError or a plain ValueError: a
-    row nested deeper than the parser's stack (`[` x 5000) or holding a number of more
-    digits than Python converts, storable by anyone who can write the file, would end
-    the agent's read. Such a row reaches the SDK as None, which it skips as corrupt."""
-    if (
-        len(row) == 1
-        and isinstance(row[0], str)
-        and cursor.description[0][0] == "message_data"
-        and crypto.split_envelope(row[0]) is None  # what `seal` writes: the fast, common case
-    ):
-        try:
-            json.loads(row[0])
-        except json.JSONDecodeError:
-            pass  # the SDK skips it itself
-        except (ValueError, RecursionError):
-            return (None,)
-    return row
+# Set while an `add_items` runs; the SDK's worker thread sees it (asyncio.to_thread copies
+# the context). A write needs no look at the meta first: the file's triggers refuse an
+# item under a stale key id, and `VaultSession.add_items` then reloads the key and retries.
+_WRITING: contextvars.ContextVar[bool] = contextvars.ContextVar("memvault_writing", default=False)
 
 
 class VaultSQLiteSession(SQLiteSession):
@@ -151,7 +104,7 @@ class VaultSQLiteSession(SQLiteSession):
     def _configure_connection(conn: sqlite3.Connection) -> None:
         # The SDK's 5 s busy timeout is shorter than a large rotation: wait instead of failing.
         configure(conn, lock_timeout())
-        conn.row_factory = _undecodable_rows_as_none
+        conn.row_factory = undecodable_rows_as_none
         SQLiteSession._configure_connection(conn)
 
     def _stat_identity(self) -> tuple[int, int]:
@@ -198,7 +151,9 @@ class VaultSQLiteSession(SQLiteSession):
                 self._connections.add(connection)
                 self._connection_owners[connection] = threading.current_thread()
         conn: sqlite3.Connection = self._local.connection
-        self._notice_changes(conn)
+        if not _WRITING.get():
+            # The version stays unseen until the next read, which then notices the change.
+            self._notice_changes(conn)
         return conn
 
     def _notice_changes(self, conn: sqlite3.Connection) -> None:
@@ -212,6 +167,13 @@ class VaultSQLiteSession(SQLiteSession):
                 self._versions[conn] = version
         except sqlite3.Error as exc:
             raise sdk_error(exc, self._vault_path) from exc
+
+    async def add_items(self, items: list[Any]) -> None:
+        token = _WRITING.set(True)
+        try:
+            await super().add_items(items)
+        finally:
+            _WRITING.reset(token)
 
     async def _pop_item_with_validation(self, validate: Callable[[Any], None] | None = None) -> Any:
         item = await super()._pop_item_with_validation(validate)
@@ -331,7 +293,8 @@ class VaultSession(EncryptedSession):
 
     async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
         self._refuse_backup("an agent session's add_items")
-        deadline = time.monotonic() + lock_timeout()
+        started = time.monotonic()
+        deadline: float | None = None  # read only when the file is busy: rare, and not free
         while True:
             sealed_with = self._kid
             try:
@@ -346,6 +309,8 @@ class VaultSession(EncryptedSession):
                 if self._kid == sealed_with:
                     raise sdk_error(exc, self._db_path) from exc
             except sqlite3.OperationalError as exc:
+                if deadline is None:
+                    deadline = started + lock_timeout()
                 if is_busy(exc) and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                     continue
@@ -381,7 +346,7 @@ class VaultSession(EncryptedSession):
         except VaultError as exc:
             cause = exc.__cause__
             if isinstance(cause, sqlite3.Error):  # Vault.clear translated an SQLite failure
-                raise _also_sqlite(exc, cause) from cause
+                raise also_sqlite(exc, cause) from cause
             raise
 
     async def _get_compaction_snapshot(self, limit: int) -> Any:

@@ -34,6 +34,7 @@ from vault.engines.sqlite.db import (
     row_batches,
     set_meta,
 )
+from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import (
     DEFAULT_TTL,
@@ -197,13 +198,14 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         the cost does not grow with the items' size and barely with their number.
         "Expired" judges each item by its Fernet timestamp, unauthenticated: a
         tampered or foreign item is counted by what it claims. `memvault verify`
-        authenticates every item. The key is still required (the vault's other
-        commands refuse a vault whose key is missing or revoked alike).
+        authenticates every item. No key is needed, so the keyring is not reached:
+        the ids and counts are in the file in clear. A revoked vault is still refused,
+        by its own mark (docs/keys.md, "Which commands need the key").
         """
-        self.sealer()
         with self.connection() as conn:
             conn.execute("BEGIN")  # deferred: one snapshot for the meta and the counts
             meta = read_meta(conn, self.path)
+            refuse_revoked(meta)
             return count_sessions(conn, parse_ttl(meta, self.path), now)
 
     def _require_session(self, conn: sqlite3.Connection, session_id: str) -> None:
