@@ -31,7 +31,6 @@ from vault.engines.postgres import schema as pgschema
 from vault.engines.postgres.base import Keys
 from vault.engines.postgres.schema import audit
 from vault.engines.postgres.url import INSTALL_HINT, parse
-from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.engines.sqlite.schema import (
     DEFAULT_TTL,
     FORMAT,
@@ -45,6 +44,7 @@ from vault.errors import (
 )
 from vault.files import Progress
 from vault.importing import ImportsFiles
+from vault.keyload import refuse_revoked
 from vault.keys import KeyStore
 from vault.results import Cleared, KeyVersionInfo, Popped, Report, SessionInfo
 from vault.vaultops import (

@@ -34,7 +34,6 @@ from vault.engines.sqlite.db import (
     row_batches,
     set_meta,
 )
-from vault.engines.sqlite.keptkeys import refuse_revoked
 from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import (
     DEFAULT_TTL,
@@ -55,6 +54,7 @@ from vault.errors import (
 )
 from vault.files import Progress
 from vault.importing import ImportsFiles
+from vault.keyload import refuse_revoked
 from vault.keys import KeyStore
 from vault.results import Cleared, Popped, Report, SessionInfo
 from vault.vaultops import (
