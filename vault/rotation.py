@@ -195,7 +195,9 @@ def _encrypter(
     if workers:
         from vault import rotationpool  # here: its imports cost every command ~30 ms
 
-        pool = rotationpool.Pool(old, new, workers)
+        # No worker could start (no interpreter to run, no process left): all here.
+        with contextlib.suppress(OSError):
+            pool = rotationpool.Pool(old, new, workers)
 
     def encrypt(found: list[Row]) -> Encrypted:
         if pool is None:

@@ -120,7 +120,8 @@ class Pool:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
-            w.thread.join(timeout=5)
+            if w.thread.ident is not None:  # (started)
+                w.thread.join(timeout=5)
             with contextlib.suppress(OSError):
                 w.stdout.close()
         self.workers = []

@@ -162,3 +162,16 @@ def test_a_worker_that_dies_stops_the_rotation_in_one_line_and_rotate_finishes_i
     fresh = Vault.open(vault_db)
     assert {sid: fresh.items(sid)[0] for sid in expected} == expected
     assert {json.loads(t)["kid"] for t in rows(vault_db)} == {fresh.sealer().kid}
+
+
+def test_a_rotation_whose_workers_cannot_start_re_encrypts_here(
+    vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = fill(vault_db)
+    monkeypatch.setattr(rotation, "DEFAULT_BATCH", BATCH)
+    monkeypatch.setattr(rotation, "PARALLEL_MIN_ROWS", N)
+    monkeypatch.setattr(rotationpool, "cores", lambda: 2)
+    monkeypatch.setattr(sys, "executable", str(vault_db.parent / "no-such-python"))
+    assert vault.rotate().counts["items"] == N
+    fresh = Vault.open(vault_db)
+    assert {sid: fresh.items(sid)[0] for sid in expected} == expected
