@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vault import crypto, rotationworker, testhooks
 from vault.files import Progress
@@ -49,6 +49,12 @@ DEFAULT_BATCH = 2000
 DEFAULT_PAUSE = 0.002
 # Below this many rows a rotation stays in this process (vault.rotation.parallel).
 PARALLEL_MIN_ROWS = 20_000
+# After a batch's write, the lock stays free for at least this share of the time the
+# write held it (where the engine pauses at all). A writer in another process waits in
+# SQLite's busy handler, which tries again up to 100 ms apart: a lock free only for the
+# few ms between two back-to-back batches (the workers keep the next one ready) is
+# rarely seen free, and a writer's wait grew past a second in the bench.
+PAUSE_SHARE = 0.5
 
 
 class RotatingSealer(crypto.Sealer):
@@ -156,13 +162,14 @@ def move_rows(
         # Pipelined: batch N+1 is read and handed to the workers before batch N is
         # collected and written, so the workers encrypt while this thread does the I/O.
         pending: tuple[list[Row], Encrypted] | None = None
+        lock = _Turns(PAUSE_SHARE if pause > 0 else 0.0)
         while True:
             found = rows.read_rows(last, batch)
             if found:
                 last = found[-1][0]
             ahead = (found, encrypt(found)) if found else None
             if pending is not None:
-                done = _write(rows, old, new, *pending, cutoff, moved)
+                done = _write(rows, old, new, *pending, cutoff, moved, lock)
                 if done is None:
                     moved.superseded = True
                     return moved
@@ -225,6 +232,23 @@ def parallel(rows_left: int) -> int:
     return n if n > 1 else 0
 
 
+@dataclass
+class _Turns:
+    """When the rotation's last write let go of the lock, and how long it held it."""
+
+    share: float
+    held: float = 0.0
+    freed: float = 0.0
+
+    def write(self, rows: RotationRows, *args: Any) -> int | None:
+        time.sleep(max(0.0, self.freed + self.held * self.share - time.monotonic()))
+        start = time.monotonic()
+        written = rows.write_rows(*args)
+        self.freed = time.monotonic()
+        self.held = self.freed - start
+        return written
+
+
 def _write(
     rows: RotationRows,
     old: crypto.Sealer,
@@ -233,6 +257,7 @@ def _write(
     encrypted: Encrypted,
     cutoff: int | None,
     moved: Moved,
+    lock: _Turns,
 ) -> int | None:
     """Write one batch; the rows it skipped because they changed meanwhile, or None when
     another process finished the rotation."""
@@ -248,7 +273,7 @@ def _write(
         if cutoff is not None and done[1] < cutoff:
             moved.expired += 1
         updates.append((done[0], row_id, data))
-    written = rows.write_rows(old.kid, new.kid, updates, found[-1][0])
+    written = lock.write(rows, old.kid, new.kid, updates, found[-1][0])
     if written is None:
         return None
     moved.items -= len(updates) - written  # changed meanwhile: the stragglers' now
