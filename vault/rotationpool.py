@@ -42,6 +42,9 @@ BOOT = (
     "main()\n"
 )
 PACKAGE = str(Path(__file__).resolve().parent)
+# Rows per task at most: a worker's memory holds a task and its answer (about 3 kB a
+# row), so smaller tasks keep the workers' memory down, at a round trip each.
+CHUNK = 500
 
 
 AGAIN = "; the rows moved so far are kept: run `memvault rotate` again to finish"
@@ -98,12 +101,12 @@ class Pool:
             raise
 
     def submit(self, rows: Task) -> list[Future[Result]]:
-        """The rows cut into one slice per worker; their results, in order."""
-        step = -(-len(rows) // len(self.workers))
+        """The rows cut into slices, dealt to the workers in turn; their results, in order."""
+        step = min(CHUNK, -(-len(rows) // len(self.workers)))
         futures: list[Future[Result]] = []
-        for w, i in zip(self.workers, range(0, len(rows), step), strict=False):
+        for k, i in enumerate(range(0, len(rows), step)):
             future: Future[Result] = Future()
-            w.tasks.put((rows[i : i + step], future))
+            self.workers[k % len(self.workers)].tasks.put((rows[i : i + step], future))
             futures.append(future)
         return futures
 
