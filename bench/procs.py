@@ -119,3 +119,90 @@ def timed_child(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
     if r["rc"] != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r['rc']}): {proc.stderr}")
     return float(r["seconds"]), int(r["maxrss_kib"]) * 1024, proc.stdout
+
+
+# The launcher's variant for a command that starts processes of its own (the rotation's
+# workers): every 10 ms it walks the command's process tree in /proc and keeps each
+# process's VmHWM (its own peak RSS; monotonic, so a late reading loses nothing but the
+# last 10 ms of a process's life) and the largest sum of VmRSS seen at one instant.
+# os.wait4's ru_maxrss would give the largest single process of the tree, not the sum.
+TREE_LAUNCHER = """
+import json, os, subprocess, sys, threading, time
+from pathlib import Path
+
+def kids(pid):
+    out = []
+    for f in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(p) for p in f.read_text().split()]
+        except OSError:
+            pass
+    return out
+
+def mem(pid):
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    d = {l.split(":")[0]: l.split()[1] for l in lines if l.startswith(("VmHWM", "VmRSS"))}
+    return (int(d["VmHWM"]), int(d["VmRSS"])) if len(d) == 2 else None
+
+peaks, top = {}, [0]
+t0 = time.perf_counter()
+proc = subprocess.Popen(sys.argv[2:])
+done = threading.Event()
+
+def watch():
+    while not done.is_set():
+        todo, now = [proc.pid], 0
+        while todo:
+            pid = todo.pop()
+            m = mem(pid)
+            if m:
+                peaks[pid] = max(peaks.get(pid, 0), m[0])
+                now += m[1]
+            todo += kids(pid)
+        top[0] = max(top[0], now)
+        time.sleep(0.01)
+
+threading.Thread(target=watch, daemon=True).start()
+_pid, status, usage = os.wait4(proc.pid, 0)
+elapsed = time.perf_counter() - t0
+done.set()
+with open(sys.argv[1], "w") as fh:
+    json.dump({"rc": os.waitstatus_to_exitcode(status), "seconds": elapsed,
+               "maxrss_kib": usage.ru_maxrss, "root": proc.pid,
+               "peaks_kib": peaks, "top_sum_kib": top[0]}, fh)
+"""
+
+
+def timed_tree(cmd: list[str], env: dict[str, str]) -> tuple[float, dict[str, Any], str]:
+    """Wall seconds, memory of the command's whole process tree and its stdout.
+
+    The memory: {"sum": the sum of every process's own peak RSS (bytes; an upper bound
+    of the tree's peak), "top": the largest sum of RSS seen at one instant, "root": the
+    command's own peak, "processes": how many were seen} (Linux: /proc)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "rusage.json"
+        proc = subprocess.run(
+            [sys.executable, "-c", TREE_LAUNCHER, str(report), *cmd],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        if proc.returncode != 0 or not report.exists():
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr}")
+        r = json.loads(report.read_text())
+    if r["rc"] != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r['rc']}): {proc.stderr}")
+    peaks = {int(pid): kib * 1024 for pid, kib in r["peaks_kib"].items()}
+    # The command's own peak: wait4's ru_maxrss is the larger of its own and its largest
+    # waited child's; the larger of that and the polled one errs on the high side.
+    peaks[r["root"]] = max(peaks.get(r["root"], 0), int(r["maxrss_kib"]) * 1024)
+    memory = {
+        "sum": sum(peaks.values()),
+        "top": int(r["top_sum_kib"]) * 1024,
+        "root": peaks[r["root"]],
+        "processes": len(peaks),
+    }
+    return float(r["seconds"]), memory, proc.stdout

@@ -1,7 +1,10 @@
 """Group `rotation`: rotation, its memory, purge and shred of a 100,000-item vault.
 
-The online rotation (`memvault rotate`) runs side by side with 0.2's rotation in one
-transaction (bench.onetx), for its wall time and for a writer's longest wait.
+The online rotation (`memvault rotate`, whose cryptography runs in one worker process
+per core at this size) runs side by side with the bare single-process
+`MultiFernet.rotate` loop and with 0.2's rotation in one transaction (bench.onetx),
+for its wall time and for a writer's longest wait; its memory is that of all its
+processes together.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from cryptography.fernet import MultiFernet
 
 from bench.common import Config, Figure, from_samples, med, record, side_by_side, sqlcipher3
 from bench.data import make_items
-from bench.procs import memvault_cmd, timed_child, writer_during
+from bench.procs import memvault_cmd, timed_child, timed_tree, writer_during
 from bench.workspace import (
     CHUNK,
     EXPIRED_EVERY,
@@ -82,15 +85,21 @@ def bench_rotation(cfg: Config, ws: Workspace) -> None:
 
     env = ws.child_env()
     cmd = [*memvault_cmd(), "--db", str(v.path), "--json", "rotate"]
-    rss: list[float] = []
+    rss: list[float] = []  # all the rotation's processes: the sum of their own peaks
+    top: list[float] = []  # the largest sum of their RSS seen at one instant
+    own: list[float] = []  # the rotating process alone
+    procs: list[int] = []
     inproc: list[float] = []
     wall: list[float] = []  # the command alone, without the launcher's own start-up
 
     def mv_rotate() -> None:
-        secs, peak, out = timed_child(cmd, env)
+        secs, memory, out = timed_tree(cmd, env)
         report = json.loads(out)
         assert report["items"] == n and report["scrubbed"], report
-        rss.append(peak / 1e6)
+        rss.append(memory["sum"] / 1e6)
+        top.append(memory["top"] / 1e6)
+        own.append(memory["root"] / 1e6)
+        procs.append(memory["processes"])
         inproc.append(float(report["seconds"]))
         wall.append(secs)
 
@@ -122,12 +131,14 @@ def bench_rotation(cfg: Config, ws: Workspace) -> None:
     note = "" if cipher_conn is not None else unavailable_note() + "; "
     from_samples(
         f"rotate_{n}",
-        f"`memvault rotate` of {n:,} items, scrub included (wall, new process)",
+        f"`memvault rotate` of {n:,} items, scrub included (wall, new process, "
+        f"{max(procs) - 1} worker processes)",
         samples,
         "bare MultiFernet loop",
-        "≤ 1.6× bare loop",
-        1.6,
-        note + f"in-process Vault.rotate(): {statistics.median(inproc):.2f} s",
+        "≤ 1.2× bare loop",
+        1.2,
+        note + f"in-process Vault.rotate(): {statistics.median(inproc):.2f} s; the bare loop is "
+        "one process",
         () if cipher_conn is not None else ("SQLCipher rekey",),
     )
     from_samples(
@@ -147,13 +158,19 @@ def bench_rotation(cfg: Config, ws: Workspace) -> None:
     record(
         Figure(
             key=f"rotate_{n}_peak_rss",
-            label=f"peak RSS of `memvault rotate`, {n:,} items",
+            label=f"peak memory of `memvault rotate` and its workers together, {n:,} items",
             unit="MB",
             memvault=max(rss),
-            comparisons={"`memvault status` on the same vault": idle_rss / 1e6},
-            target="≤ 100 MB",
-            limit=100.0,
-            note="max over repetitions; os.wait4() rusage of the rotating process",
+            comparisons={
+                "largest sum of their RSS at one instant": max(top),
+                "the rotating process alone": max(own),
+                "`memvault status` on the same vault": idle_rss / 1e6,
+            },
+            target="≤ 150 MB",
+            limit=150.0,
+            note=f"max over repetitions of the sum of each of its {max(procs)} processes' own "
+            "peak RSS (VmHWM, its process tree polled in /proc every 10 ms; an upper bound "
+            "of their peak together)",
             samples={"memvault": rss},
         )
     )

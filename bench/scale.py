@@ -12,7 +12,7 @@ from typing import Any
 
 import vault
 from bench.common import LIMIT, Config, Figure, from_samples, med, record, run, side_by_side
-from bench.procs import memvault_cmd, runner, timed_child
+from bench.procs import memvault_cmd, runner, timed_child, timed_tree
 from bench.rotation import REFERENCE
 from bench.workspace import EXPIRED_EVERY, Workspace, build_big
 from vault import paths
@@ -95,7 +95,9 @@ def bench_scale(cfg: Config, ws: Workspace) -> None:
 
     ref_n = cfg.rot_items
     print(f"rotating {n:,} items ...", flush=True)
-    secs, peak, report = once(["rotate"])
+    # The rotation's workers count too: the memory of its whole process tree.
+    secs, memory, out = timed_tree([*mv, "--db", str(big.path), "--json", "rotate"], env)
+    report = json.loads(out)
     assert report["items"] == n and report["scrubbed"], report
     rot_ref = REFERENCE.get("rotate_wall")
     record(
@@ -114,13 +116,17 @@ def bench_scale(cfg: Config, ws: Workspace) -> None:
     record(
         Figure(
             key=f"rotate_{n}_peak_rss",
-            label=f"peak RSS of `memvault rotate`, {n:,} items",
+            label=f"peak memory of `memvault rotate` and its workers together, {n:,} items",
             unit="MB",
-            memvault=peak,
-            comparisons={"`memvault status`": REFERENCE.get("status_rss")},
-            target="≤ 100 MB",
-            limit=100.0,
-            note="os.wait4() rusage of the rotating process",
+            memvault=memory["sum"] / 1e6,
+            comparisons={
+                "the rotating process alone": memory["root"] / 1e6,
+                "`memvault status`": REFERENCE.get("status_rss"),
+            },
+            target="≤ 150 MB",
+            limit=150.0,
+            note=f"the sum of each of its {memory['processes']} processes' own peak RSS "
+            "(bench.procs.timed_tree)",
         )
     )
     print(f"purging {n // EXPIRED_EVERY:,} expired of {n:,} items ...", flush=True)

@@ -26,14 +26,19 @@ wait only for the batch rows they touch, and it needs no pause.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cryptography.fernet import Fernet
 
-from vault import crypto, testhooks
+from vault import crypto, rotationworker, testhooks
 from vault.files import Progress
+
+if TYPE_CHECKING:
+    from vault.rotationpool import Result
 
 # (id, session_id, message_data)
 Row = tuple[int, str, str]
@@ -44,6 +49,14 @@ DEFAULT_BATCH = 2000
 # With the lock released after each batch: long enough for a waiting writer's busy
 # handler to find it free, short beside a batch's cryptography (tens of ms).
 DEFAULT_PAUSE = 0.002
+# Below this many rows a rotation stays in this process (vault.rotation.parallel).
+PARALLEL_MIN_ROWS = 20_000
+# After a batch's write, the lock stays free for at least this share of the time the
+# write held it (where the engine pauses at all). A writer in another process waits in
+# SQLite's busy handler, which tries again up to 100 ms apart: a lock free only for the
+# few ms between two back-to-back batches (the workers keep the next one ready) is
+# rarely seen free, and a writer's wait grew past a second in the bench.
+PAUSE_SHARE = 0.5
 
 
 class RotatingSealer(crypto.Sealer):
@@ -121,51 +134,137 @@ def move_rows(
     *,
     step: str = "after-batch",
     sweep: bool = False,
+    rows_left: int = 0,
 ) -> Moved:
     """Move every row under `old` after id `start` to `new`, then the stragglers.
 
     `step` names the failpoint reached after each batch; `sweep` looks for stragglers
-    even when no batch skipped a row (an engine whose writers are other hosts)."""
+    even when no batch skipped a row (an engine whose writers are other hosts).
+    `rows_left` (at most how many rows follow `start`; 0 when unknown) decides whether
+    worker processes do the cryptography (`parallel`)."""
     cutoff = None if ttl is None else int(time.time()) - ttl
     moved = Moved()
     last, missed = start, 0
-    while True:
-        found = rows.read_rows(last, batch)
-        if not found:
-            break
-        updates: list[Update] = []
-        for row_id, sid, data in found:
-            moved.sessions.add(sid)
-            kid = crypto.kid_of(data)
-            if kid == new.kid:
-                continue  # written under the new key since the switch
-            if kid != old.kid:
-                moved.unreadable += 1  # no envelope, or another key's: kept as it is
-                continue
-            # Through the module: the crash tests count rows by wrapping this function.
-            stamped = crypto.rotate_row_stamped(old, new, sid, data)
-            if stamped is None:
-                moved.unreadable += 1  # kept as it is: a rotation deletes nothing
-                continue
-            moved.items += 1
-            if cutoff is not None and stamped[1] < cutoff:
-                moved.expired += 1
-            updates.append((stamped[0], row_id, data))
-        last = found[-1][0]
-        written = rows.write_rows(old.kid, new.kid, updates, last)
-        if written is None:
-            moved.superseded = True
-            return moved
-        missed += len(updates) - written
-        moved.items -= len(updates) - written  # changed meanwhile: the stragglers' now
-        if progress:
-            progress(len(found))
-        testhooks.failpoint(step)
-        time.sleep(pause)
+    with _encrypter(old, new, rows_left) as encrypt:
+        # Pipelined: batch N+1 is read and handed to the workers before batch N is
+        # collected and written, so the workers encrypt while this thread does the I/O.
+        pending: tuple[list[Row], Encrypted] | None = None
+        lock = _Turns(PAUSE_SHARE if pause > 0 else 0.0)
+        while True:
+            found = rows.read_rows(last, batch)
+            if found:
+                last = found[-1][0]
+            ahead = (found, encrypt(found)) if found else None
+            if pending is not None:
+                done = _write(rows, old, new, *pending, cutoff, moved, lock)
+                if done is None:
+                    moved.superseded = True
+                    return moved
+                missed += done
+                if progress:
+                    progress(len(pending[0]))
+                testhooks.failpoint(step)
+                time.sleep(pause)
+            if ahead is None:
+                break
+            pending = ahead
     if missed or start or sweep:
         # A full scan, so only when a batch skipped a row, or an earlier run's did.
         moved.stragglers = _stragglers(rows, old, new, batch, pause, moved)
     return moved
+
+
+# A call that waits for a batch's `rotationworker.rotate_row` results, in row order.
+Encrypted = Callable[[], "Result"]
+
+
+@contextlib.contextmanager
+def _encrypter(
+    old: crypto.Sealer, new: crypto.Sealer, rows_left: int
+) -> Iterator[Callable[[list[Row]], Encrypted]]:
+    """A function that starts re-encrypting a batch: in worker processes when
+    `parallel` says so, else here, at once."""
+    workers = parallel(rows_left)
+    pool = None
+    if workers:
+        from vault import rotationpool  # here: its imports cost every command ~30 ms
+
+        # No worker could start (no interpreter to run, no process left): all here.
+        with contextlib.suppress(OSError):
+            pool = rotationpool.Pool(old, new, workers)
+
+    def encrypt(found: list[Row]) -> Encrypted:
+        if pool is None:
+            out = [rotationworker.rotate_row(old, new, sid, data) for _id, sid, data in found]
+            return lambda: out
+        futures = pool.submit([(sid, data) for _id, sid, data in found])
+        return lambda: [r for f in futures for r in f.result()]
+
+    try:
+        yield encrypt
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def parallel(rows_left: int) -> int:
+    """How many worker processes a rotation of `rows_left` rows starts: none for a small
+    vault (starting the workers would cost more than they save) or on one core; else
+    one per core."""
+    if rows_left < PARALLEL_MIN_ROWS:
+        return 0
+    from vault import rotationpool
+
+    n = rotationpool.cores()
+    return n if n > 1 else 0
+
+
+@dataclass
+class _Turns:
+    """When the rotation's last write let go of the lock, and how long it held it."""
+
+    share: float
+    held: float = 0.0
+    freed: float = 0.0
+
+    def write(self, rows: RotationRows, *args: Any) -> int | None:
+        time.sleep(max(0.0, self.freed + self.held * self.share - time.monotonic()))
+        start = time.monotonic()
+        written = rows.write_rows(*args)
+        self.freed = time.monotonic()
+        self.held = self.freed - start
+        return written
+
+
+def _write(
+    rows: RotationRows,
+    old: crypto.Sealer,
+    new: crypto.Sealer,
+    found: list[Row],
+    encrypted: Encrypted,
+    cutoff: int | None,
+    moved: Moved,
+    lock: _Turns,
+) -> int | None:
+    """Write one batch; the rows it skipped because they changed meanwhile, or None when
+    another process finished the rotation."""
+    updates: list[Update] = []
+    for (row_id, sid, data), done in zip(found, encrypted(), strict=True):
+        moved.sessions.add(sid)
+        if done == rotationworker.UNREADABLE:
+            moved.unreadable += 1  # kept as it is: a rotation deletes nothing
+            continue
+        if isinstance(done, int):
+            continue  # written under the new key since the switch
+        moved.items += 1
+        if cutoff is not None and done[1] < cutoff:
+            moved.expired += 1
+        updates.append((done[0], row_id, data))
+    written = lock.write(rows, old.kid, new.kid, updates, found[-1][0])
+    if written is None:
+        return None
+    moved.items -= len(updates) - written  # changed meanwhile: the stragglers' now
+    return len(updates) - written
 
 
 def _stragglers(

@@ -102,8 +102,9 @@ def _rotate(
         old, new = held.run(lambda conn: _start_or_resume(vault, conn))
         try:
             begin = int(held.run(vault.read_meta).get(PROGRESS, "0") or 0)
+            rows = PgRows(held)
             moved = rotation.move_rows(
-                PgRows(held),
+                rows,
                 old,
                 new,
                 begin,
@@ -114,6 +115,7 @@ def _rotate(
                 step="pg-rotate-after-batch",
                 # The old key is retired only when no row under it remains, wherever it is.
                 sweep=True,
+                rows_left=rows.last_id() - begin,
             )
         except Exception as exc:
             raise translate_after(
@@ -215,6 +217,11 @@ class PgRows:
         args = (after, limit) if naming is None else (after, limit, naming)
         rows = self.held.run(lambda conn: conn.fetch(sql, *args))
         return [(r[0], r[1], r[2]) for r in rows]
+
+    def last_id(self) -> int:
+        """The highest row id (0 for none): how far the batches go, at most."""
+        sql = f"SELECT coalesce(max(id), 0) FROM {MESSAGES_TABLE}"
+        return int(self.held.run(lambda conn: conn.fetchval(sql)))
 
     def write_rows(
         self, old_kid: str, new_kid: str, updates: list[rotation.Update], progress: int | None

@@ -114,6 +114,11 @@ class FileRows:
         finally:
             self.conn.execute("COMMIT")
 
+    def last_id(self) -> int:
+        """The highest row id (0 for none): how far the batches go, at most."""
+        (last,) = self.conn.execute(f"SELECT coalesce(max(id), 0) FROM {MESSAGES_TABLE}").fetchone()
+        return int(last)
+
     def write_rows(
         self, old_kid: str, new_kid: str, updates: list[rotation.Update], progress: int | None
     ) -> int | None:
@@ -216,8 +221,9 @@ def finish(
                 with lc.write_transaction() as w:  # this process carries it on now
                     set_meta(w, **{OWNER: owner()})
             begin = int(meta.get(PROGRESS, "0") or 0)
+            rows = FileRows(conn, lc.path)
             moved = rotation.move_rows(
-                FileRows(conn, lc.path),
+                rows,
                 old,
                 new,
                 begin,
@@ -225,6 +231,7 @@ def finish(
                 progress,
                 rotation.DEFAULT_BATCH,  # read here: a test may set smaller batches
                 rotation.DEFAULT_PAUSE,
+                rows_left=rows.last_id() - begin,
             )
     finally:
         _running -= 1
