@@ -227,3 +227,22 @@ def test_a_pooled_connection_the_server_ended_is_replaced_and_the_operation_goes
 
     assert asyncio.run(go()) == ["before", "after"]
     assert len(opened) == 2
+
+
+def test_a_loop_closed_without_its_shutdown_leaves_no_connection_once_another_loop_runs(
+    pg_vault: Any, pg_url: str, opened: list[int]
+) -> None:
+    import vault
+
+    session = vault.open_session("s1", pg_url)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(session.add_items([user("one")]))
+    loop.close()  # no shutdown_asyncgens(): its pool cannot be closed on its loop
+    del loop
+    with warnings.catch_warnings():
+        # asyncpg and asyncio warn of the connection dropped with its closed loop.
+        warnings.simplefilter("ignore", ResourceWarning)
+        assert texts(asyncio.run(session.get_items())) == ["one"]
+        gc.collect()
+    assert len(opened) == 2
+    assert all_gone(pg_url, opened) == set(), "the closed loop's connection stayed open"

@@ -6,7 +6,8 @@ own): each operation takes the pool of the loop it runs on. The sessions of one 
 that use the same location on the same loop share its pool. A pool is disposed, its
 connections closed, when its loop shuts down its async generators, which asyncio.run (and
 asyncio.Runner) does before closing the loop. A loop closed without that step leaves its
-pool's connections to the garbage collector; the server ends them when the process exits.
+pool's connections to the garbage collector (once another loop opens a pool), which
+closes their sockets; the server then ends them.
 
 Every checkout first reads the vault's kid and TTL on the connection it hands out (one
 statement, in the transaction the operation then runs in), so a `memvault ttl`, `rotate`
@@ -82,6 +83,10 @@ def engine_for(url: str, settings: dict[str, str]) -> AsyncEngine:
     with _guard:
         pools = _loops.get(loop)
         if pools is None or pools.closed:
+            # Loops closed without shutting down their async generators keep their pools
+            # (the closer holds the loop): let the garbage collector have them.
+            for gone in [other for other in _loops if other.is_closed()]:
+                del _loops[gone]
             pools = _loops[loop] = _LoopPools()
             pools.closer = _close_at_loop_end(pools)
             _start(pools.closer)
