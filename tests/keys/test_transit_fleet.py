@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,11 +23,11 @@ pytestmark = [*baoserver.MARKS, *pgserver.MARKS, pytest.mark.slow]
 
 ITEMS = 100_000
 
-# Writes items through the library's session until the stop file appears; one "ack N"
-# line per item the session acknowledged. argv = location, session id, stop file.
+# Writes items through the library's session until the stop file appears; one "ack N T"
+# line per item the session acknowledged, T its time. argv = location, session id, stop file.
 WRITER = textwrap.dedent(
     """
-    import asyncio, os, sys
+    import asyncio, os, sys, time
     import vault
 
     async def main() -> None:
@@ -36,7 +37,7 @@ WRITER = textwrap.dedent(
         i = 0
         while not os.path.exists(stop) or i < 20:
             await session.add_items([{"role": "user", "content": f"{sid} item {i}"}])
-            print("ack", i, flush=True)
+            print("ack", i, time.time(), flush=True)
             i += 1
             await asyncio.sleep(0.01)
         session.close()
@@ -79,7 +80,9 @@ def test_host_a_rotates_while_b_and_c_write_and_every_host_reads_everything(
             assert proc.stdout is not None
             line = proc.stdout.readline()
             assert line.strip() == "ready", (h, line, proc.stderr.read() if proc.stderr else "")
+        began = time.time()
         rotated = cli_at(pg_url, hosts["A"], "--json", "rotate")
+        ended = time.time()
         assert rotated.returncode == 0, rotated.stderr
         report = json.loads(rotated.stdout)
         assert report["old_kid"] == made["kid"] and report["items"] >= ITEMS
@@ -89,9 +92,12 @@ def test_host_a_rotates_while_b_and_c_write_and_every_host_reads_everything(
     for h, proc in writers.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, (h, err[-2000:])
-        acks = [line.split()[1] for line in out.splitlines() if line.startswith("ack ")]
-        acked[f"host-{h}"] = [f"host-{h} item {i}" for i in acks]
+        acks = [line.split()[1:] for line in out.splitlines() if line.startswith("ack ")]
+        acked[f"host-{h}"] = [f"host-{h} item {i}" for i, _ in acks]
         assert len(acks) >= 20
+        # The writes went on through A's rotation, not only before and after it.
+        during = [i for i, t in acks if began < float(t) < ended]
+        assert len(during) >= 10, (h, len(during), ended - began)
     for h, env in hosts.items():
         for sid, items in acked.items():
             shown = cli_at(pg_url, env, "--json", "show", sid)
