@@ -83,7 +83,8 @@ class Engine(Protocol):
         details: dict[str, Any],
     ) -> bool:
         """Drop and set meta rows, audited, in one transaction, only if the meta still
-        holds `expect` (None: absent); False, with nothing written, if not."""
+        holds `expect` (None: absent) and no key version is pending; False, with
+        nothing written, if not."""
         ...
 
     def key_versions(self) -> list[KeyVersionInfo]: ...

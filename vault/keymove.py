@@ -2,10 +2,11 @@
 OS keyring, or a transit key), once for both engines.
 
 The order makes a kill at any instant harmless, and a second run finishes the move:
-1. every version the vault needs (current, pending, retained, the one an unfinished
-   rotation moves rows from) is read from the old source and put in the new one:
-   keyring entries stored and read back, or keys wrapped and unwrapped again (so a
-   token that may not decrypt is refused before anything changes);
+1. every version the vault needs (current, retained, the one an unfinished rotation
+   moves rows from; while a rotation has a new version staged, the move waits) is
+   read from the old source and put in the new one: keyring entries stored and read
+   back, or keys wrapped and unwrapped again (so a token that may not decrypt is
+   refused before anything changes);
 2. one transaction switches the meta (`key_source`, `transit_mount`) and, in the same
    transaction, sets or drops the wrapped keys (which live in the meta), only if the
    vault's key ids and source are still the ones read in 1 (else: busy, run again);
@@ -37,7 +38,17 @@ from vault.keysource.store import (
 if TYPE_CHECKING:
     from vault.engine import AnyVault
 
-NEEDED = (CURRENT, PENDING, RETAINED)
+NEEDED = (CURRENT, RETAINED)
+
+
+def _busy(vault: AnyVault) -> VaultBusy:
+    # A rotation stages its new key in the vault's source of the moment: moving then
+    # could leave that key behind, so a move waits for the rotation's switch.
+    return VaultBusy(
+        f"a rotation of {vault.path} is under way (a new key version is staged, or the key "
+        "changed meanwhile); nothing was moved; run `memvault key move` again once it is "
+        "done (`memvault rotate` finishes one that was cut off)"
+    )
 
 
 def _names(meta: dict[str, str]) -> tuple[str, str | None]:
@@ -61,15 +72,15 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     old_ks = vault.keystore
     versions = vault.key_versions()
     states = {v.kid: v.state for v in versions}
+    if PENDING in states.values():
+        raise _busy(vault)
     kids = {k for k, s in states.items() if s in NEEDED} | {meta["kid"]}
     if ROTATING_FROM in meta:
         kids.add(meta[ROTATING_FROM])
-    keys: dict[str, str] = {}
-    for kid in sorted(kids):
-        found = old_ks.get(entry_name(vault_id, kid))
-        if found is None and states.get(kid) == PENDING:
-            continue  # staged by a rotation that never stored it: it was never used
-        keys[kid] = require_key(found, vault_id, kid, old_ks.name)
+    keys = {
+        kid: require_key(old_ks.get(entry_name(vault_id, kid)), vault_id, kid, old_ks.name)
+        for kid in sorted(kids)
+    }
     put, drop = _into(new, vault_id, keys)
     drop += [k for k in meta if k.startswith(WRAPPED) and k not in put]
     testhooks.failpoint("key-move-after-new-source")
@@ -81,10 +92,7 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     }
     details = {"from": old_source[0], "to": new_source[0], "kids": sorted(keys)}
     if not vault.switch_meta(expect, put, drop, "key-move", details):
-        raise VaultBusy(
-            f"{vault.path} changed key while memvault moved it (a rotation on another "
-            "process?); nothing was switched; run `memvault key move` again"
-        )
+        raise _busy(vault)
     testhooks.failpoint("key-move-after-switch")
     switched = dict(meta)
     for k in drop:

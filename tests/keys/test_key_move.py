@@ -28,6 +28,7 @@ from tests.keys.test_transit_vaults import (
     host_write,
     operator_env,
 )
+from vault.errors import VaultBusy
 
 pytestmark = baoserver.MARKS
 WHERE = ["file", pytest.param("postgres", marks=ON_POSTGRES)]
@@ -192,3 +193,51 @@ def one_line(proc: Any, code: int, says: str) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert says in lines[0], lines[0]
+
+
+def test_a_rotation_that_began_before_a_move_does_not_switch_into_the_old_source(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vault import testhooks
+    from vault.engines.sqlite.vault import Vault
+
+    db = str(tmp_path / "vault" / "history.db")
+    op, _made = init_keyring(db, tmp_path)
+    moved = []
+
+    def move_now(name: str) -> None:
+        if name == "after-record-pending" and not moved:
+            moved.append(ok(cli_at(db, op, "--json", "key", "move", f"transit:{key}")))
+
+    monkeypatch.setattr(testhooks, "failpoint", move_now)
+    with pytest.raises(VaultBusy, match="moved to another key source"):
+        Vault.open(db).rotate()
+    assert moved and meta_rows(db)["key_source"] == f"transit:{key}"
+    b = host_env(tmp_path, baoserver.host_token(key))
+    assert shown(db, b) == ["one"]
+    ok(cli_at(db, b, "rotate"))  # a host with no keyring rotates the moved vault
+    assert host_write(db, b, "s1", "two") == ["one", "two"]
+    ok(cli_at(db, op, "shred", "--yes"))
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=ON_POSTGRES)])
+def test_a_move_while_a_rotation_has_a_new_version_staged_waits_for_it(
+    _: None, key: str, tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vault import testhooks
+    from vault.engines.postgres.vault import PgVault
+
+    op, _made = init_keyring(pg_url, tmp_path)
+    tried = []
+
+    def move_now(name: str) -> None:
+        if name == "pg-rotate-after-record-pending" and not tried:  # inside the event loop
+            tried.append(cli_at(pg_url, op, "key", "move", f"transit:{key}"))
+
+    monkeypatch.setattr(testhooks, "failpoint", move_now)
+    PgVault.open(pg_url).rotate()
+    one_line(tried[0], 5, "rotation")
+    assert "key_source" not in meta_rows(pg_url)  # the refused move switched nothing
+    ok(cli_at(pg_url, op, "key", "move", f"transit:{key}"))
+    b = host_env(tmp_path, baoserver.host_token(key))
+    assert host_write(pg_url, b, "s1", "two") == ["one", "two"]

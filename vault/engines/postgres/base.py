@@ -140,7 +140,8 @@ class PgVaultBase(MetaKeys):
         async def write(conn: Any) -> bool:
             await conn.execute("SELECT 1 FROM memvault_meta WHERE key = 'kid' FOR UPDATE")
             meta = await self.read_meta(conn)
-            if any(meta.get(k) != v for k, v in expect.items()):
+            staged = await conn.fetchval("SELECT 1 FROM memvault_keys WHERE state = 'pending'")
+            if any(meta.get(k) != v for k, v in expect.items()) or staged:
                 return False
             await conn.execute("DELETE FROM memvault_meta WHERE key = ANY($1)", drop)
             await pgschema.set_meta(conn, **put)

@@ -279,10 +279,12 @@ class VaultFile(MetaKeys):
         details: dict[str, Any],
     ) -> bool:
         """Delete the meta rows `drop` and set `put`, audited as `event`, in one transaction,
-        only if the meta still holds `expect` (None: absent); False, nothing written, if not."""
+        only if the meta still holds `expect` (None: absent) and no rotation has a key
+        version staged (pending); False, nothing written, if not."""
         with self.write_transaction() as conn:
             meta = read_meta(conn, self.path)
-            if any(meta.get(k) != v for k, v in expect.items()):
+            staged = conn.execute("SELECT 1 FROM memvault_keys WHERE state = 'pending'")
+            if any(meta.get(k) != v for k, v in expect.items()) or staged.fetchone():
                 return False
             conn.executemany("DELETE FROM memvault_meta WHERE key = ?", [(k,) for k in drop])
             set_meta(conn, **put)
