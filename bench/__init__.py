@@ -3,7 +3,8 @@
 - main: the flags (`--quick`, `--scale`, `--only GROUP`, `--json-out`) and the run;
 - common: configuration, side-by-side timing, figures, the table;
 - data, workspace, procs: the items, the files, the timed processes;
-- sessions, cli, rotation, scale, postgres (with pgserver): one module per `--only` group.
+- sessions, cli, rotation, scale, postgres (with pgserver), transit: one module per
+  `--only` group.
 """
 
 import sys

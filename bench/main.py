@@ -36,6 +36,7 @@ from bench.postgres import bench_postgres
 from bench.rotation import bench_rotation
 from bench.scale import bench_scale
 from bench.sessions import bench_sessions
+from bench.transit import bench_transit
 from bench.workspace import Workspace
 from vault.keys import KeyStore
 
@@ -82,6 +83,7 @@ PHASES: dict[str, Callable[[Config, Workspace], None]] = {
     "rotation": bench_rotation,
     "scale": bench_scale,
     "postgres": bench_postgres,
+    "transit": bench_transit,
 }
 
 

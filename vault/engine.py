@@ -74,6 +74,19 @@ class Engine(Protocol):
 
     def audit_log(self) -> list[dict[str, Any]]: ...
 
+    def switch_meta(
+        self,
+        expect: dict[str, str | None],
+        put: dict[str, str],
+        drop: list[str],
+        event: str,
+        details: dict[str, Any],
+    ) -> bool:
+        """Drop and set meta rows, audited, in one transaction, only if the meta still
+        holds `expect` (None: absent) and no key version is pending; False, with
+        nothing written, if not."""
+        ...
+
     def key_versions(self) -> list[KeyVersionInfo]: ...
 
     def backups(self) -> list[dict[str, Any]]: ...

@@ -50,3 +50,27 @@ def test_init_with_the_keyring_source_is_the_default(vault_db: Path) -> None:
 
 def test_key_rewrap_of_a_keyring_vault_says_there_is_nothing_wrapped(vault: Any) -> None:
     one_line(run_cli("key", "rewrap"), 2, "keeps its keys in the keyring", "--key-source")
+
+
+def test_key_move_to_the_source_a_vault_already_uses_changes_nothing(vault: Any) -> None:
+    r = run_cli("--json", "key", "move", "keyring")
+    assert r.code == 0, r
+    assert r.json()["already"] is True and r.json()["moved"] == []
+    assert run_cli("--json", "status").json()["key"] == "present and matching"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["bogus"], 2, "is not a key source"),
+        (["keyring", "--transit-mount", "m"], 2, "goes with --key-source transit:KEYNAME"),
+        (["transit:k"], 4, "set VAULT_ADDR or BAO_ADDR"),
+    ],
+)
+def test_key_move_refuses_a_source_it_cannot_use_and_changes_nothing(
+    vault: Any, args: list[str], code: int, says: str
+) -> None:
+    before = vault.meta()
+    one_line(run_cli("key", "move", *args, env=NO_SERVICE), code, says)
+    assert vault.meta() == before
+    assert run_cli("--json", "status").json()["key"] == "present and matching"

@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 BENCH = ROOT / "bench"
 MODULES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
-GROUPS = ("sessions", "cli", "rotation", "scale", "postgres")
+GROUPS = ("sessions", "cli", "rotation", "scale", "postgres", "transit")
 
 
 def test_no_bench_module_is_over_500_lines() -> None:
@@ -51,3 +51,15 @@ def test_bench_run_help_lists_every_flag_and_group() -> None:
     for flag in ("--quick", "--scale", "--json-out PATH", "--only"):
         assert flag in proc.stdout
     assert "{" + ",".join(GROUPS) + "}" in proc.stdout
+
+
+def test_the_transit_group_without_a_server_is_skipped_saying_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transit = importlib.import_module("bench.transit")
+    monkeypatch.delenv(transit.ADDR_VAR, raising=False)
+    monkeypatch.delenv(transit.TOKEN_VAR, raising=False)
+    transit.bench_transit(None, None)
+    assert "transit: skipped: no OpenBao server; run under scripts/with-openbao" in (
+        capsys.readouterr().out
+    )

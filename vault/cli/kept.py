@@ -159,3 +159,44 @@ def key_rewrap(raise_min: bool) -> None:
             )
 
     emit(r, human)
+
+
+@click.command("move")
+@click.argument("target", metavar="SOURCE")
+@click.option(
+    "--transit-mount",
+    default=None,
+    metavar="PATH",
+    help="The transit engine's mount, with transit:KEYNAME (default transit).",
+)
+@common
+def key_move(target: str, transit_mount: str | None) -> None:
+    """Move the vault's keys to another key source: keyring, or transit:KEYNAME.
+
+    Every key version the vault needs moves: first put in the new source (this
+    host's keyring, or wrapped by the transit key, which is created if missing),
+    then the vault switches to it in one transaction, then this host's keyring
+    entries of a vault now in transit are deleted (not those a recorded backup
+    still reads). A kill at any point leaves the vault readable through one
+    source or the other; run the same command again to finish. Never shows a key.
+
+    \b
+    Example:
+      memvault key move transit:memvault-laptop-42
+      memvault key move keyring
+    """
+    from vault.keymove import move
+
+    r = move(open_any(), target, transit_mount)
+
+    def human() -> None:
+        if r["already"]:
+            say(f"vault {r['vault_id']} already keeps its keys in {r['to']}")
+        else:
+            say(f"moved keys {', '.join(r['moved'])} of vault {r['vault_id']} to {r['to']}")
+        if r["removed_from_keyring"]:
+            say(f"  removed from this keyring: {', '.join(r['removed_from_keyring'])}")
+        if r["kept_in_keyring"]:
+            say(f"  kept in this keyring for recorded backups: {', '.join(r['kept_in_keyring'])}")
+
+    emit(r, human)

@@ -13,7 +13,7 @@ import click
 
 from vault import files
 from vault.cli.common import PATH, F, common, confirm, emit, open_any, refuse_vault_target, say
-from vault.cli.kept import key_forget, key_list, key_rewrap
+from vault.cli.kept import key_forget, key_list, key_move, key_rewrap
 from vault.errors import BadInput, Interrupted
 
 
@@ -373,5 +373,6 @@ def key_import(file: str, yes: bool, passphrase_file: str | None, passphrase_std
 key_group.add_command(key_list)
 key_group.add_command(key_forget)
 key_group.add_command(key_rewrap)
+key_group.add_command(key_move)
 
 COMMANDS = (key_group,)

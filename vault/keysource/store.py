@@ -137,6 +137,23 @@ class TransitStore(KeyStore):
         return {**self.source_rows(), wrapped_row(kid): transit.wrap(master_key)}
 
 
+def refuse_moved(ks: KeyStore, meta: dict[str, str], path: object) -> None:
+    """A rotation about to switch: VaultBusy if `key move` switched the vault to another
+    key source since `ks` was chosen (its new key would land in the old source)."""
+    name = parse_source(meta.get(SOURCE, KEYRING))
+    if isinstance(ks, TransitStore):
+        same = name == ks.key_name and meta.get(MOUNT, DEFAULT_MOUNT) == ks.mount
+    else:
+        same = name is None
+    if not same:
+        from vault.errors import VaultBusy
+
+        raise VaultBusy(
+            f"{path} moved to another key source while the rotation began; nothing was "
+            "rotated; run `memvault rotate` again"
+        )
+
+
 def prewrap(ks: KeyStore, name: str, key: str) -> None:
     """Before a rotation records its new version: a transit vault wraps the key now."""
     if isinstance(ks, TransitStore):

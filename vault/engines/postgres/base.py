@@ -126,6 +126,30 @@ class PgVaultBase(MetaKeys):
 
         self.run(write, write=True)
 
+    def switch_meta(
+        self,
+        expect: dict[str, str | None],
+        put: dict[str, str],
+        drop: list[str],
+        event: str,
+        details: dict[str, Any],
+    ) -> bool:
+        """VaultFile.switch_meta's twin: one transaction, the `kid` row locked first so that
+        a rotation's switch on another host comes wholly before or after it."""
+
+        async def write(conn: Any) -> bool:
+            await conn.execute("SELECT 1 FROM memvault_meta WHERE key = 'kid' FOR UPDATE")
+            meta = await self.read_meta(conn)
+            staged = await conn.fetchval("SELECT 1 FROM memvault_keys WHERE state = 'pending'")
+            if any(meta.get(k) != v for k, v in expect.items()) or staged:
+                return False
+            await conn.execute("DELETE FROM memvault_meta WHERE key = ANY($1)", drop)
+            await pgschema.set_meta(conn, **put)
+            await pgschema.audit(conn, event, meta["kid"], **details)
+            return True
+
+        return self.run(write, write=True)
+
     # -- meta and key ---------------------------------------------------
     def meta(self) -> dict[str, str]:
         return self.run(self.read_meta)

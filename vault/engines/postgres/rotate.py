@@ -49,7 +49,7 @@ from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
 from vault.keyload import refuse_revoked
 from vault.keys import require_key
-from vault.keysource.store import prewrap
+from vault.keysource.store import prewrap, refuse_moved
 from vault.results import Report
 
 if TYPE_CHECKING:
@@ -192,6 +192,7 @@ async def _start_or_resume(vault: PgVault, conn: Any) -> tuple[crypto.Sealer, cr
         await conn.execute(f"LOCK TABLE {MESSAGES_TABLE} IN SHARE MODE")
         if kid != old.kid:  # cannot happen under the lock; refuse rather than guess
             raise VaultBusy(f"{vault.path} changed key while the rotation began; try again")
+        refuse_moved(ks, await vault.read_meta(conn), vault.path)
         await set_meta(conn, kid=new.kid, rotated_at=utcnow(), **{FROM: old.kid, PROGRESS: "0"})
         await record_key(conn, old.kid, RETIRED)
         await record_key(conn, new.kid, CURRENT)

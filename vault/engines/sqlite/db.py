@@ -270,6 +270,27 @@ class VaultFile(MetaKeys):
         with self.write_transaction() as conn:
             audit(conn, event, kid, **details)
 
+    def switch_meta(
+        self,
+        expect: dict[str, str | None],
+        put: dict[str, str],
+        drop: list[str],
+        event: str,
+        details: dict[str, Any],
+    ) -> bool:
+        """Delete the meta rows `drop` and set `put`, audited as `event`, in one transaction,
+        only if the meta still holds `expect` (None: absent) and no rotation has a key
+        version staged (pending); False, nothing written, if not."""
+        with self.write_transaction() as conn:
+            meta = read_meta(conn, self.path)
+            staged = conn.execute("SELECT 1 FROM memvault_keys WHERE state = 'pending'")
+            if any(meta.get(k) != v for k, v in expect.items()) or staged.fetchone():
+                return False
+            conn.executemany("DELETE FROM memvault_meta WHERE key = ?", [(k,) for k in drop])
+            set_meta(conn, **put)
+            audit(conn, event, meta["kid"], **details)
+        return True
+
     def audit_log(self) -> list[dict[str, Any]]:
         with self.connection() as conn:
             return [

@@ -33,7 +33,7 @@ from vault.errors import VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, PENDING, RETIRED, ROTATING_FROM, entry_name
 from vault.keyload import refuse_revoked
-from vault.keysource.store import prewrap
+from vault.keysource.store import prewrap, refuse_moved
 
 if TYPE_CHECKING:
     from vault.keys import KeyStore
@@ -174,6 +174,7 @@ def _switch(lc: KeyLifecycle, old: crypto.Sealer, new: crypto.Sealer) -> bool:
         conn.execute("BEGIN IMMEDIATE")
         meta = read_meta(conn, lc.path)
         refuse_revoked(meta)
+        refuse_moved(ks, meta, lc.path)
         states = {v.kid: v.state for v in keyjournal.versions(conn)}
         if meta["kid"] != old.kid or FROM in meta or states.get(new.kid) != PENDING:
             return False

@@ -1,0 +1,147 @@
+"""`memvault key move`: a vault's key versions from one key source to another (the
+OS keyring, or a transit key), once for both engines.
+
+The order makes a kill at any instant harmless, and a second run finishes the move:
+1. every version the vault needs (current, retained, the one an unfinished rotation
+   moves rows from; while a rotation has a new version staged, the move waits) is
+   read from the old source and put in the new one: keyring entries stored and read
+   back, or keys wrapped and unwrapped again (so a token that may not decrypt is
+   refused before anything changes);
+2. one transaction switches the meta (`key_source`, `transit_mount`) and, in the same
+   transaction, sets or drops the wrapped keys (which live in the meta), only if the
+   vault's key ids and source are still the ones read in 1 (else: busy, run again);
+3. the old source is tidied: this host's keyring entries of a vault now in transit
+   (those a recorded backup still needs are kept and named). A kill before 3 leaves
+   entries that the next `key move` to the same source deletes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vault import backupmark, crypto, testhooks
+from vault.errors import KeyProblem, VaultBusy
+from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
+from vault.keyload import refuse_revoked
+from vault.keys import KeyStore, require_key
+from vault.keysource.store import (
+    DEFAULT_MOUNT,
+    KEYRING,
+    MOUNT,
+    SOURCE,
+    WRAPPED,
+    TransitStore,
+    init_store,
+    wrapped_row,
+)
+
+if TYPE_CHECKING:
+    from vault.engine import AnyVault
+
+NEEDED = (CURRENT, RETAINED)
+
+
+def _busy(vault: AnyVault) -> VaultBusy:
+    # A rotation stages its new key in the vault's source of the moment: moving then
+    # could leave that key behind, so a move waits for the rotation's switch.
+    return VaultBusy(
+        f"a rotation of {vault.path} is under way (a new key version is staged, or the key "
+        "changed meanwhile); nothing was moved; run `memvault key move` again once it is "
+        "done (`memvault rotate` finishes one that was cut off)"
+    )
+
+
+def _names(meta: dict[str, str]) -> tuple[str, str | None]:
+    """The vault's source as its meta names it, and its mount (None for the keyring)."""
+    source = meta.get(SOURCE, KEYRING)
+    return source, None if source == KEYRING else meta.get(MOUNT, DEFAULT_MOUNT)
+
+
+def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, Any]:
+    """Move the vault's keys to `target` (`keyring` or `transit:NAME`), or finish a move."""
+    backupmark.refuse_writes(vault, "`memvault key move`")
+    meta = vault.meta()
+    refuse_revoked(meta)
+    new = init_store(target, mount)
+    vault_id, old_source = meta["vault_id"], _names(meta)
+    new_source = (KEYRING, None) if new is None else (f"transit:{new.key_name}", new.mount)
+    out: dict[str, Any] = {"vault_id": vault_id, "from": old_source[0], "to": new_source[0]}
+    if old_source == new_source:
+        # Already there (or a move cut off after its switch): only the tidy is left.
+        return {**out, "moved": [], "already": True, **_tidy(vault, meta)}
+    old_ks = vault.keystore
+    versions = vault.key_versions()
+    states = {v.kid: v.state for v in versions}
+    if PENDING in states.values():
+        raise _busy(vault)
+    kids = {k for k, s in states.items() if s in NEEDED} | {meta["kid"]}
+    if ROTATING_FROM in meta:
+        kids.add(meta[ROTATING_FROM])
+    keys = {
+        kid: require_key(old_ks.get(entry_name(vault_id, kid)), vault_id, kid, old_ks.name)
+        for kid in sorted(kids)
+    }
+    put, drop = _into(new, vault_id, keys)
+    drop += [k for k in meta if k.startswith(WRAPPED) and k not in put]
+    testhooks.failpoint("key-move-after-new-source")
+    expect: dict[str, str | None] = {
+        "kid": meta["kid"],
+        ROTATING_FROM: meta.get(ROTATING_FROM),
+        SOURCE: meta.get(SOURCE),
+        MOUNT: meta.get(MOUNT),
+    }
+    details = {"from": old_source[0], "to": new_source[0], "kids": sorted(keys)}
+    if not vault.switch_meta(expect, put, drop, "key-move", details):
+        raise _busy(vault)
+    testhooks.failpoint("key-move-after-switch")
+    switched = dict(meta)
+    for k in drop:
+        switched.pop(k, None)
+    switched.update(put)
+    return {**out, "moved": sorted(keys), "already": False, **_tidy(vault, switched)}
+
+
+def _into(
+    new: TransitStore | None, vault_id: str, keys: dict[str, str]
+) -> tuple[dict[str, str], list[str]]:
+    """Put every key in the new source and check it reads back; the meta rows to set and
+    to drop at the switch."""
+    if new is None:
+        ks = KeyStore()
+        ks.check_usable()
+        for kid, key in keys.items():
+            ks.set(entry_name(vault_id, kid), key)
+            require_key(ks.get(entry_name(vault_id, kid)), vault_id, kid, ks.name)
+        return {}, [SOURCE, MOUNT]
+    transit = new.transit()
+    transit.check_usable()
+    transit.ensure_key()
+    put = new.source_rows()
+    for kid, key in keys.items():
+        wrapped = transit.wrap(key)
+        if crypto.key_id(transit.unwrap(wrapped)) != kid:  # pragma: no cover (a broken service)
+            raise KeyProblem(f"{transit.where()} did not give back key {kid}; nothing was moved")
+        put[wrapped_row(kid)] = wrapped
+    return put, []
+
+
+def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:
+    """Delete this host's keyring entries of a vault whose keys now live wrapped, except
+    the versions a recorded backup (a keyring copy) still reads through them."""
+    nothing: dict[str, Any] = {"removed_from_keyring": [], "kept_in_keyring": []}
+    if meta.get(SOURCE, KEYRING) == KEYRING:
+        return nothing  # the wrapped keys left with the switch's transaction
+    ks = KeyStore()
+    try:
+        ks.check_usable()
+    except KeyProblem:
+        return nothing  # no keyring on this host: nothing of the vault can be in it
+    vault_id = meta["vault_id"]
+    versions = vault.key_versions()
+    kept = sorted(v.kid for v in versions if v.backups and ks.get(entry_name(vault_id, v.kid)))
+    removed = []
+    for v in versions:
+        if v.kid not in kept and ks.delete(entry_name(vault_id, v.kid)):
+            removed.append(v.kid)
+            testhooks.failpoint("key-move-after-tidy-one")
+    return {"removed_from_keyring": sorted(removed), "kept_in_keyring": kept}
