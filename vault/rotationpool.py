@@ -130,9 +130,15 @@ class Pool:
         self.workers = []
 
 
+# What a worker needs of the environment to start Python: nothing else (not a token,
+# not a database URL with its password) reaches a process that holds master keys.
+WORKER_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "SYSTEMROOT", "TMPDIR")
+
+
 def _launch() -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-c", BOOT, PACKAGE],
+        env={k: v for k, v in os.environ.items() if k in WORKER_ENV},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,  # it reports failures through its stdout

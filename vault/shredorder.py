@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from vault import exportdirs, keyjournal, testhooks
+from vault import exportdirs, testhooks
 from vault.engines.sqlite.schema import utcnow
 from vault.errors import KeyProblem
 from vault.keys import KeyStore
-from vault.keysource.store import revoke_source
+from vault.keysource.store import destroy_versions
 
 MARK = "shred_started"
 # What the marker records, so that a run cut off is finished with the same report.
@@ -123,9 +123,8 @@ def keys_then_rows(
         ks = keystore(meta)
         ks.check_usable()
         kids, in_use = steps.key_versions(meta, kid)
-        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
-        # A transit vault's key goes too, so that no copy or backup of it unwraps.
-        source = revoke_source(ks)
+        # A transit vault's keyring leftovers and its transit key go too.
+        outcome = destroy_versions(ks, vault_id, kids, in_use)
     except KeyProblem:
         if not recorded:
             if first:
@@ -139,8 +138,7 @@ def keys_then_rows(
         raise
     if outcome is not None:
         merge(report, outcome)
-        report.update(source)
-        if source.get("transit_key") == "deleted":
+        if outcome.get("transit_key") == "deleted":
             report["key_destroyed"] = True
     steps.keys_gone(kids, marker(report))
     testhooks.failpoint(steps.after_keys)

@@ -50,7 +50,11 @@ real_connect = sqlite3.connect
 
 
 def connect(*args, **kwargs):
-    kwargs.setdefault("factory", Watched)
+    # memvault may pass a factory of its own: watch a subclass of it.
+    base = kwargs.get("factory", sqlite3.Connection)
+    kwargs["factory"] = Watched if base is sqlite3.Connection else type(
+        "Watched" + base.__name__, (Watched, base), {}
+    )
     conn = real_connect(*args, **kwargs)
     opened.append(conn)
     return conn

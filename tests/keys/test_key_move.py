@@ -143,6 +143,28 @@ def test_a_move_takes_the_retained_version_a_backup_needs(key: str, tmp_path: Pa
     ok(cli_at(db, op, "shred", "--yes"))
 
 
+@pytest.mark.parametrize("command", ["revoke", "shred"])
+def test_revoke_and_shred_after_a_move_destroy_the_keyring_entry_kept_for_a_backup(
+    command: str, key: str, tmp_path: Path
+) -> None:
+    db = str(tmp_path / "vault" / "history.db")
+    op, made = init_keyring(db, tmp_path)
+    backup = str(tmp_path / "backup.db")
+    ok(cli_at(db, op, "backup", backup))
+    ok(cli_at(db, op, "--json", "rotate"))
+    there = ok(cli_at(db, op, "--json", "key", "move", f"transit:{key}"))
+    assert there["kept_in_keyring"] == [made["kid"]], there
+    assert shown(backup, op) == ["one"]  # the backup reads through this keyring
+
+    done = ok(cli_at(db, op, "--json", command, "--yes"))
+    assert made["kid"] in done["destroyed_kids"], done
+    # Nothing of the vault is left in this keyring, and the backup no longer opens.
+    assert keyring_entries(made["vault_id"]) == {}
+    refused = cli_at(backup, op, "show", "s1")
+    assert refused.returncode == 4, refused.stderr
+    assert not key_exists(key)
+
+
 @pytest.mark.parametrize("_", [pytest.param(None, marks=ON_POSTGRES)])
 def test_a_move_takes_the_key_an_unfinished_rotation_moves_rows_from(
     _: None, key: str, tmp_path: Path, pg_url: str

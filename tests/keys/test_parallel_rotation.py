@@ -95,6 +95,7 @@ def test_a_large_rotation_re_encrypts_in_worker_processes_that_end_with_it(
                     seen[pid] = ((proc / "cmdline").read_bytes(), (proc / "environ").read_bytes())
 
     monkeypatch.setattr(testhooks, "failpoint", look)
+    monkeypatch.setenv("VAULT_TOKEN", "s.a-token-no-worker-needs")
     report = vault.rotate()
     monkeypatch.setattr(testhooks, "failpoint", real_failpoint)
 
@@ -108,6 +109,7 @@ def test_a_large_rotation_re_encrypts_in_worker_processes_that_end_with_it(
         # environment (both readable by the user's other processes).
         for key in (old_key, new_key):
             assert key.encode() not in cmdline and key.encode() not in environ
+        assert b"s.a-token-no-worker-needs" not in environ  # nor a secret of the parent's
         assert not alive(pid), f"worker {pid} outlived the rotation"
     assert children(os.getpid()) == set()
     # The same result as in one process: every item, its timestamp kept, under the new key.

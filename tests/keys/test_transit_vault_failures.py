@@ -57,12 +57,33 @@ def silent_addr() -> Iterator[str]:
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def snapshot(db: Path) -> tuple[list[Any], ...]:
-    with sqlite3.connect(db) as conn:
+def snapshot(db: str) -> tuple[list[Any], ...]:
+    """Every row of the vault's meta, key journal, items and audit, on either engine."""
+    tables = ("memvault_meta", "memvault_keys", "agent_messages", "memvault_audit")
+    if db.startswith("postgresql"):
         return tuple(
-            conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall()
-            for t in ("memvault_meta", "memvault_keys", "agent_messages", "memvault_audit")
+            [tuple(r) for r in pgserver.sql(db, f"SELECT * FROM {t} ORDER BY 1")] for t in tables
         )
+    with sqlite3.connect(db) as conn:
+        return tuple(conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in tables)
+
+
+def has_vault(db: str) -> bool:
+    """Whether anything of a vault exists at `db` (a file, or a table in the schema)."""
+    if db.startswith("postgresql"):
+        rows = pgserver.sql(
+            db, "SELECT count(*) AS n FROM pg_tables WHERE schemaname = current_schema()"
+        )
+        return bool(rows[0]["n"])
+    path = Path(db)
+    return path.exists() or (path.parent.exists() and any(path.parent.iterdir()))
+
+
+def location(where: str, vault_db: Path, request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue("pg_url")) if where == "postgres" else str(vault_db)
+
+
+ENGINES = pytest.mark.parametrize("where", ["file", pytest.param("postgres", marks=ON_POSTGRES)])
 
 
 def meta_and_journal(db: str) -> tuple[Any, ...]:
@@ -98,6 +119,16 @@ def token_works(token: str) -> bool:
     return True
 
 
+def revoke_token(token: str) -> None:
+    """What an operator does to a stolen token: the service refuses it from now on."""
+    import hvac
+
+    hvac.Client(url=baoserver.ADDR, token=baoserver.ADMIN_TOKEN, timeout=30).auth.token.revoke(
+        token
+    )
+    assert not token_works(token)
+
+
 def key_exists(key: str) -> bool:
     try:
         admin_transit(key).versions()
@@ -106,10 +137,18 @@ def key_exists(key: str) -> bool:
     return True
 
 
+@ENGINES
 @pytest.mark.parametrize("why", ["down", "silent", "wrong token", "host token"])
 def test_init_that_the_service_refuses_makes_no_vault_and_no_key(
-    why: str, key: str, tmp_path: Path, vault_db: Path, silent_addr: str
+    why: str,
+    where: str,
+    key: str,
+    tmp_path: Path,
+    vault_db: Path,
+    silent_addr: str,
+    request: pytest.FixtureRequest,
 ) -> None:
+    db = location(where, vault_db, request)
     env = operator_env(tmp_path)
     words: tuple[str, ...]
     if why == "down":
@@ -124,23 +163,27 @@ def test_init_that_the_service_refuses_makes_no_vault_and_no_key(
     else:  # a host's token may use a key, not create one
         env["VAULT_TOKEN"] = baoserver.host_token(key)
         words = ("may not", "operator")
-    proc = cli_at(str(vault_db), env, "init", "--key-source", f"transit:{key}")
+    proc = cli_at(db, env, "init", "--key-source", f"transit:{key}")
     one_line_exit_4(proc, *words, token=env["VAULT_TOKEN"])
-    assert not vault_db.exists()
-    assert list(vault_db.parent.iterdir()) == [] if vault_db.parent.exists() else True
+    assert not has_vault(db)
     assert not key_exists(key)
 
 
-@pytest.fixture
-def shared(key: str, tmp_path: Path, vault_db: Path) -> tuple[str, Path]:
-    """A transit vault with one item in it."""
-    init_transit(str(vault_db), key, tmp_path)
-    host_write(str(vault_db), host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
-    return key, vault_db
+@pytest.fixture(params=["file", pytest.param("postgres", marks=ON_POSTGRES)])
+def shared(
+    key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
+) -> tuple[str, str]:
+    """A transit vault with one item in it, in a file or on PostgreSQL."""
+    db = location(request.param, vault_db, request)
+    init_transit(db, key, tmp_path)
+    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    return key, db
 
 
 def failing_hosts(key: str, tmp_path: Path, silent_addr: str) -> list[tuple[dict[str, str], str]]:
     encrypt_only = baoserver.token_with(baoserver.ENCRYPT_ONLY_POLICY.format(key=key))
+    revoked = baoserver.host_token(key)
+    revoke_token(revoked)
     expired = baoserver.host_token(key, ttl="1s", renewable=False)
     return [
         (host_env(tmp_path, "x", VAULT_ADDR=closed_port_addr()), "cannot reach"),
@@ -150,12 +193,13 @@ def failing_hosts(key: str, tmp_path: Path, silent_addr: str) -> list[tuple[dict
         ),
         (host_env(tmp_path, "s.not-a-real-token-0123456789"), "refused the token"),
         (host_env(tmp_path, encrypt_only), "may not unwrap a key (decrypt)"),
+        (host_env(tmp_path, revoked), "refused the token"),
         (host_env(tmp_path, expired), "refused the token"),
     ]
 
 
 def test_a_host_the_service_refuses_reads_nothing_and_writes_nothing(
-    shared: tuple[str, Path], tmp_path: Path, silent_addr: str
+    shared: tuple[str, str], tmp_path: Path, silent_addr: str
 ) -> None:
     key, db = shared
     before = snapshot(db)
@@ -165,31 +209,30 @@ def test_a_host_the_service_refuses_reads_nothing_and_writes_nothing(
         time.sleep(0.1)
     for env, words in hosts:
         for args in (("show", "s1"), ("rotate", "--yes"), ("status",)):
-            proc = cli_at(str(db), env, *args)
+            proc = cli_at(db, env, *args)
             if args == ("status",):
                 assert proc.returncode == 0, proc.stderr
                 assert (
-                    words
-                    in json.loads(cli_at(str(db), env, "--json", "status").stdout)["key_problem"]
+                    words in json.loads(cli_at(db, env, "--json", "status").stdout)["key_problem"]
                 )
                 continue
             one_line_exit_4(proc, words, token=env["VAULT_TOKEN"])
         writer = subprocess.run(
-            [sys.executable, "-c", HOST_WRITES, str(db), "s1", "refused", "none"],
+            [sys.executable, "-c", HOST_WRITES, db, "s1", "refused", "none"],
             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
         )  # fmt: skip
         assert writer.returncode != 0
         assert words in writer.stderr and env["VAULT_TOKEN"] not in writer.stderr
         assert snapshot(db) == before, words
     good = host_env(tmp_path, baoserver.host_token(key))
-    assert host_write(str(db), good, "s1", "after") == ["kept", "after"]
+    assert host_write(db, good, "s1", "after") == ["kept", "after"]
 
 
-@pytest.mark.parametrize("where", ["file", pytest.param("postgres", marks=ON_POSTGRES)])
+@ENGINES
 def test_a_rotation_by_a_token_that_may_not_wrap_writes_nothing(
     where: str, key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
 ) -> None:
-    db = request.getfixturevalue("pg_url") if where == "postgres" else str(vault_db)
+    db = location(where, vault_db, request)
     init_transit(db, key, tmp_path)
     host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
     before = meta_and_journal(db)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.cli.test_fast_imports import probe
 from tests.conftest import add_items, raw_bytes, run_cli, user
 
@@ -107,3 +109,18 @@ def test_sessions_refuses_a_revoked_vault_by_its_mark(
     env, log = failing_keyring(tmp_path)
     one_error_line(run_cli("sessions", env=env), 4, "revoked", "memvault shred")
     assert not log.exists(), log.read_text()
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["--version"], ["log"], ["completion", "bash"], ["sessions"]]
+)
+def test_the_commands_that_need_no_key_neither_call_nor_load_the_keyring(
+    args: list[str], vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s1", [user("one")])
+    env, log = failing_keyring(tmp_path)
+    r = run_cli(*args, env=env)
+    assert r.code == 0, r
+    assert not log.exists(), log.read_text()  # the backend was not even constructed
+    code, loaded = probe(*args, watch=("keyring", "secretstorage", "jeepney"))
+    assert (code, loaded) == (0, [])

@@ -176,6 +176,7 @@ def pop(session_id: str, count: int, yes: bool) -> None:
     """
     vault = open_any()
     if not yes:
+        vault.sealer()  # fail on the key before asking anything (counting needs none)
         size = _size(vault, session_id)
         if 0 < size <= count:  # an unknown session fails in pop, with its own message
             confirm(

@@ -12,7 +12,7 @@ drop the meta whole, on both engines, with no migration.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vault.errors import BadInput
 from vault.keys import KeyStore
@@ -206,6 +206,42 @@ def store_for(meta: dict[str, str], wrapped: WrappedKeys | None) -> TransitStore
     if name is None:
         return None
     return TransitStore(name, meta.get(MOUNT, DEFAULT_MOUNT), wrapped)
+
+
+def host_keyring(ks: KeyStore) -> KeyStore | None:
+    """A transit vault's other place on this host: the OS keyring, which may still hold
+    versions from the vault's keyring days (kept for a backup by `key move`, or left by
+    a move cut off). None for a keyring vault (`ks` is that keyring) and on a host with
+    no usable keyring (it holds nothing memvault could read either)."""
+    if not isinstance(ks, TransitStore):
+        return None
+    from vault.errors import KeyProblem
+
+    local = KeyStore()
+    try:
+        local.check_usable()
+    except KeyProblem:
+        return None
+    return local
+
+
+def destroy_versions(
+    ks: KeyStore, vault_id: str, kids: set[str], in_use: set[str]
+) -> dict[str, Any]:
+    """Revoke's and shred's key step, once for both: every version's entry in the vault's
+    source (vault.keyjournal.destroy_entries), then, for a transit vault, what this host's
+    keyring still holds of it, then its transit key (`revoke_source`)."""
+    from vault import keyjournal
+
+    outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
+    local = host_keyring(ks)
+    if local is not None:
+        here = keyjournal.destroy_entries(local, vault_id, kids, in_use)
+        for field in ("destroyed_kids", "other_copies_kids"):
+            outcome[field] = sorted(set(outcome[field]) | set(here[field]))
+        outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
+    outcome.update(revoke_source(ks))
+    return outcome
 
 
 def revoke_source(ks: KeyStore) -> dict[str, str]:

@@ -33,7 +33,7 @@ from vault.errors import KeyProblem, OperationFailed, VaultBusy
 from vault.files import Progress
 from vault.keyjournal import CURRENT, DESTROYED, PENDING, entry_name
 from vault.keyload import refuse_revoked
-from vault.keysource.store import revoke_source
+from vault.keysource.store import destroy_versions
 from vault.results import KeyVersionInfo, Popped, Report
 from vault.vaultops import parse_ttl, popped_item, ttl_value
 
@@ -188,8 +188,7 @@ def revoke(vault: PgVault) -> dict[str, Any]:
                 )
                 await audit(conn, "revoke", kid)
         testhooks.failpoint("pg-revoke-after-mark")
-        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
-        outcome.update(revoke_source(ks))
+        outcome = destroy_versions(ks, vault_id, kids, in_use)
         try:
             async with conn.transaction():
                 for k in sorted(kids):

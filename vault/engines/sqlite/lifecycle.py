@@ -48,7 +48,7 @@ from vault.keyjournal import (
     entry_name,
 )
 from vault.keys import KeyStore
-from vault.keysource.store import revoke_source
+from vault.keysource.store import destroy_versions, host_keyring
 from vault.results import KeyVersionInfo, Report
 
 
@@ -318,8 +318,7 @@ class KeyLifecycle(KeptVersions):
             kids = keyjournal.known_kids(conn, meta)
             in_use = {kid} | {v.kid for v in keyjournal.versions(conn) if v.state == PENDING}
         testhooks.failpoint("revoke-after-mark")
-        outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
-        outcome.update(revoke_source(ks))
+        outcome = destroy_versions(ks, vault_id, kids, in_use)
         with self.write_transaction() as conn:
             known = {v.kid for v in keyjournal.versions(conn)}
             for k in sorted(kids):
@@ -332,4 +331,6 @@ class KeyLifecycle(KeptVersions):
         with self.connection() as conn:
             meta = read_meta(conn, self.path)
             kids = keyjournal.known_kids(conn, meta)
-        return not keyjournal.present(self.keystore, meta["vault_id"], kids)
+        ks = self.keystore
+        stores = [ks] + [k for k in [host_keyring(ks)] if k is not None]
+        return not any(keyjournal.present(k, meta["vault_id"], kids) for k in stores)
