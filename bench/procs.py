@@ -31,15 +31,60 @@ def runner(cmd: list[str], env: dict[str, str]) -> Callable[[], object]:
 # A small launcher runs the command and reports the command's own rusage. The child's
 # max RSS cannot be taken from this (large) benchmark process directly: Linux carries the
 # parent's high-water mark into a forked child's ru_maxrss across exec.
+# With "tree" (for a command that starts processes of its own, the rotation's workers)
+# it also walks the command's process tree in /proc every 10 ms and keeps each
+# process's VmHWM (its own peak RSS; monotonic, so a late reading loses nothing but the
+# last 10 ms of a process's life) and the largest sum of VmRSS seen at one instant.
+# os.wait4's ru_maxrss would give the largest single process of the tree, not the sum.
 LAUNCHER = """
-import json, os, subprocess, sys, time
+import json, os, subprocess, sys, threading, time
+from pathlib import Path
+
+def kids(pid):
+    out = []
+    for f in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(p) for p in f.read_text().split()]
+        except OSError:
+            pass
+    return out
+
+def mem(pid):
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    d = {l.split(":")[0]: l.split()[1] for l in lines if l.startswith(("VmHWM", "VmRSS"))}
+    return (int(d["VmHWM"]), int(d["VmRSS"])) if len(d) == 2 else None
+
+report, tree, cmd = sys.argv[1], sys.argv[2] == "tree", sys.argv[3:]
+peaks, top = {}, [0]
 t0 = time.perf_counter()
-proc = subprocess.Popen(sys.argv[2:])
+proc = subprocess.Popen(cmd)
+done = threading.Event()
+
+def watch():
+    while not done.is_set():
+        todo, now = [proc.pid], 0
+        while todo:
+            pid = todo.pop()
+            m = mem(pid)
+            if m:
+                peaks[pid] = max(peaks.get(pid, 0), m[0])
+                now += m[1]
+            todo += kids(pid)
+        top[0] = max(top[0], now)
+        time.sleep(0.01)
+
+if tree:
+    threading.Thread(target=watch, daemon=True).start()
 _pid, status, usage = os.wait4(proc.pid, 0)
 elapsed = time.perf_counter() - t0
-with open(sys.argv[1], "w") as fh:
+done.set()
+with open(report, "w") as fh:
     json.dump({"rc": os.waitstatus_to_exitcode(status), "seconds": elapsed,
-               "maxrss_kib": usage.ru_maxrss}, fh)
+               "maxrss_kib": usage.ru_maxrss, "root": proc.pid,
+               "peaks_kib": peaks, "top_sum_kib": top[0]}, fh)
 """
 
 
@@ -103,77 +148,28 @@ def writer_during(db: str, env: dict[str, str], cmd: list[str]) -> tuple[float, 
         return secs, json.loads(out.read_text())
 
 
-def timed_child(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS (bytes) and stdout of one command, measured by a launcher."""
+def _launched(cmd: list[str], env: dict[str, str], mode: str) -> tuple[dict[str, Any], str]:
+    """The launcher's report on one run of `cmd` (mode "one" or "tree"), and its stdout."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "rusage.json"
         proc = subprocess.run(
-            [sys.executable, "-c", LAUNCHER, str(report), *cmd],
+            [sys.executable, "-c", LAUNCHER, str(report), mode, *cmd],
             capture_output=True,
             text=True,
             env=env,
         )
         if proc.returncode != 0 or not report.exists():
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr}")
-        r = json.loads(report.read_text())
+        r: dict[str, Any] = json.loads(report.read_text())
     if r["rc"] != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r['rc']}): {proc.stderr}")
-    return float(r["seconds"]), int(r["maxrss_kib"]) * 1024, proc.stdout
+    return r, proc.stdout
 
 
-# The launcher's variant for a command that starts processes of its own (the rotation's
-# workers): every 10 ms it walks the command's process tree in /proc and keeps each
-# process's VmHWM (its own peak RSS; monotonic, so a late reading loses nothing but the
-# last 10 ms of a process's life) and the largest sum of VmRSS seen at one instant.
-# os.wait4's ru_maxrss would give the largest single process of the tree, not the sum.
-TREE_LAUNCHER = """
-import json, os, subprocess, sys, threading, time
-from pathlib import Path
-
-def kids(pid):
-    out = []
-    for f in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(p) for p in f.read_text().split()]
-        except OSError:
-            pass
-    return out
-
-def mem(pid):
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return None
-    d = {l.split(":")[0]: l.split()[1] for l in lines if l.startswith(("VmHWM", "VmRSS"))}
-    return (int(d["VmHWM"]), int(d["VmRSS"])) if len(d) == 2 else None
-
-peaks, top = {}, [0]
-t0 = time.perf_counter()
-proc = subprocess.Popen(sys.argv[2:])
-done = threading.Event()
-
-def watch():
-    while not done.is_set():
-        todo, now = [proc.pid], 0
-        while todo:
-            pid = todo.pop()
-            m = mem(pid)
-            if m:
-                peaks[pid] = max(peaks.get(pid, 0), m[0])
-                now += m[1]
-            todo += kids(pid)
-        top[0] = max(top[0], now)
-        time.sleep(0.01)
-
-threading.Thread(target=watch, daemon=True).start()
-_pid, status, usage = os.wait4(proc.pid, 0)
-elapsed = time.perf_counter() - t0
-done.set()
-with open(sys.argv[1], "w") as fh:
-    json.dump({"rc": os.waitstatus_to_exitcode(status), "seconds": elapsed,
-               "maxrss_kib": usage.ru_maxrss, "root": proc.pid,
-               "peaks_kib": peaks, "top_sum_kib": top[0]}, fh)
-"""
+def timed_child(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS (bytes) and stdout of one command, measured by a launcher."""
+    r, out = _launched(cmd, env, "one")
+    return float(r["seconds"]), int(r["maxrss_kib"]) * 1024, out
 
 
 def timed_tree(cmd: list[str], env: dict[str, str]) -> tuple[float, dict[str, Any], str]:
@@ -182,19 +178,7 @@ def timed_tree(cmd: list[str], env: dict[str, str]) -> tuple[float, dict[str, An
     The memory: {"sum": the sum of every process's own peak RSS (bytes; an upper bound
     of the tree's peak), "top": the largest sum of RSS seen at one instant, "root": the
     command's own peak, "processes": how many were seen} (Linux: /proc)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "rusage.json"
-        proc = subprocess.run(
-            [sys.executable, "-c", TREE_LAUNCHER, str(report), *cmd],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        if proc.returncode != 0 or not report.exists():
-            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr}")
-        r = json.loads(report.read_text())
-    if r["rc"] != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r['rc']}): {proc.stderr}")
+    r, out = _launched(cmd, env, "tree")
     peaks = {int(pid): kib * 1024 for pid, kib in r["peaks_kib"].items()}
     # The command's own peak: wait4's ru_maxrss is the larger of its own and its largest
     # waited child's; the larger of that and the polled one errs on the high side.
@@ -205,4 +189,4 @@ def timed_tree(cmd: list[str], env: dict[str, str]) -> tuple[float, dict[str, An
         "root": peaks[r["root"]],
         "processes": len(peaks),
     }
-    return float(r["seconds"]), memory, proc.stdout
+    return float(r["seconds"]), memory, out

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -23,11 +22,11 @@ import pytest
 from tests.crash.test_rotation_killed_at_any_instant import (  # noqa: F401 (big: its fixture)
     KILLED,
     N_ITEMS,
-    ROOT,
     BigVault,
     big,
     check_after_kill,
     restore,
+    start_rotator,
 )
 from tests.keys.test_parallel_rotation import alive, children
 
@@ -58,22 +57,6 @@ ROTATOR = textwrap.dedent(
 )
 
 
-def start_rotator(vault: BigVault) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", ROTATOR, str(vault.db)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if k != "MEMVAULT_FAILPOINT"},
-    )
-    assert proc.stdout is not None
-    if proc.stdout.readline().strip() != "ready":
-        proc.kill()
-        pytest.fail(f"the rotating process did not start: {proc.communicate()[1][-2000:]}")
-    return proc
-
-
 def wait_gone(pids: set[int], label: str) -> None:
     """Every worker ends on its own once its parent is gone (it has one batch at most to
     finish): wait for that, generously on a loaded machine, then name any left."""
@@ -96,7 +79,7 @@ def test_sigkill_amid_the_workers_batches_leaves_no_worker_and_loses_nothing(
     rng = random.Random(seed)
 
     restore(vault)
-    proc = start_rotator(vault)
+    proc = start_rotator(vault.db, ROTATOR)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     assert out.split().count("after-batch") == N_ITEMS // BATCH
@@ -105,7 +88,7 @@ def test_sigkill_amid_the_workers_batches_leaves_no_worker_and_loses_nothing(
     moving = 0
     for i in range(N_KILLS):
         restore(vault)
-        proc = start_rotator(vault)
+        proc = start_rotator(vault.db, ROTATOR)
         assert proc.stdout is not None
         target = 1 + int((i + rng.random()) / N_KILLS * (N_ITEMS // BATCH - 2))
         workers: set[int] = set()

@@ -289,9 +289,10 @@ ROTATOR = textwrap.dedent(
 ).replace("ROWS", str(PROGRESS_EVERY))
 
 
-def start_rotator(db: Path) -> subprocess.Popen[str]:
+def start_rotator(db: Path, script: str = ROTATOR) -> subprocess.Popen[str]:
+    """`script` rotating `db` in a new process, once it printed "ready"."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", ROTATOR, str(db)],
+        [sys.executable, "-c", script, str(db)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

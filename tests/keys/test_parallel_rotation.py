@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +68,39 @@ def stamps(db: Path) -> list[int | None]:
     return [crypto.token_timestamp(text) for text in rows(db)]
 
 
+def use_workers(monkeypatch: pytest.MonkeyPatch, from_rows: int | None = N) -> None:
+    """Batches of BATCH rows, two workers whatever this machine has, started from
+    `from_rows` rows on (None: the shipped threshold, which this vault is below)."""
+    monkeypatch.setattr(rotation, "DEFAULT_BATCH", BATCH)
+    if from_rows is not None:
+        monkeypatch.setattr(rotation, "PARALLEL_MIN_ROWS", from_rows)
+    monkeypatch.setattr(rotationpool, "cores", lambda: 2)
+
+
+@contextlib.contextmanager
+def at_failpoints(monkeypatch: pytest.MonkeyPatch, hook: Any) -> Iterator[None]:
+    """`hook(name)` at each failpoint while the block runs; the real ones after it."""
+    monkeypatch.setattr(testhooks, "failpoint", hook)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(testhooks, "failpoint", real_failpoint)
+
+
+def assert_whole_under_one_key(db: Path, expected: dict[str, list[Any]]) -> None:
+    """A fresh open reads every item, and every row is under the file's one key."""
+    fresh = Vault.open(db)
+    assert {sid: fresh.items(sid)[0] for sid in expected} == expected
+    assert {json.loads(t)["kid"] for t in rows(db)} == {fresh.sealer().kid}
+
+
 def test_a_large_rotation_re_encrypts_in_worker_processes_that_end_with_it(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     expected = fill(vault_db)
     before = stamps(vault_db)
     old_key = vault.sealer().master_key
-    monkeypatch.setattr(rotation, "DEFAULT_BATCH", BATCH)
-    monkeypatch.setattr(rotation, "PARALLEL_MIN_ROWS", N)  # this vault is large enough
-    monkeypatch.setattr(rotationpool, "cores", lambda: 2)  # whatever this machine has
+    use_workers(monkeypatch)
     here = 0
     rotate_row = crypto.rotate_row_stamped
 
@@ -94,10 +119,9 @@ def test_a_large_rotation_re_encrypts_in_worker_processes_that_end_with_it(
                     proc = Path(f"/proc/{pid}")
                     seen[pid] = ((proc / "cmdline").read_bytes(), (proc / "environ").read_bytes())
 
-    monkeypatch.setattr(testhooks, "failpoint", look)
     monkeypatch.setenv("VAULT_TOKEN", "s.a-token-no-worker-needs")
-    report = vault.rotate()
-    monkeypatch.setattr(testhooks, "failpoint", real_failpoint)
+    with at_failpoints(monkeypatch, look):
+        report = vault.rotate()
 
     assert report.counts["items"] == N
     assert here == 0  # not one row re-encrypted in this process
@@ -115,21 +139,18 @@ def test_a_large_rotation_re_encrypts_in_worker_processes_that_end_with_it(
     # The same result as in one process: every item, its timestamp kept, under the new key.
     assert stamps(vault_db) == before
     assert authenticated_counts(vault_db) == (N, 0, 0)
-    fresh = Vault.open(vault_db)
-    assert {sid: fresh.items(sid)[0] for sid in expected} == expected
-    assert {json.loads(t)["kid"] for t in rows(vault_db)} == {fresh.sealer().kid}
+    assert_whole_under_one_key(vault_db, expected)
 
 
 def test_a_small_rotation_starts_no_worker(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fill(vault_db)
-    monkeypatch.setattr(rotation, "DEFAULT_BATCH", BATCH)
-    monkeypatch.setattr(rotationpool, "cores", lambda: 2)
+    use_workers(monkeypatch, from_rows=None)
     started: list[int] = []
-    monkeypatch.setattr(testhooks, "failpoint", lambda name: started.extend(children(os.getpid())))
     assert N < rotation.PARALLEL_MIN_ROWS
-    assert vault.rotate().counts["items"] == N
+    with at_failpoints(monkeypatch, lambda name: started.extend(children(os.getpid()))):
+        assert vault.rotate().counts["items"] == N
     assert started == []
 
 
@@ -137,9 +158,7 @@ def test_a_worker_that_dies_stops_the_rotation_in_one_line_and_rotate_finishes_i
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     expected = fill(vault_db)
-    monkeypatch.setattr(rotation, "DEFAULT_BATCH", BATCH)
-    monkeypatch.setattr(rotation, "PARALLEL_MIN_ROWS", N)
-    monkeypatch.setattr(rotationpool, "cores", lambda: 2)
+    use_workers(monkeypatch)
     killed: list[int] = []
 
     def kill_workers(name: str) -> None:
@@ -148,10 +167,11 @@ def test_a_worker_that_dies_stops_the_rotation_in_one_line_and_rotate_finishes_i
             for pid in killed:
                 os.kill(pid, signal.SIGKILL)
 
-    monkeypatch.setattr(testhooks, "failpoint", kill_workers)
-    with pytest.raises(rotationpool.WorkerFailed) as failed:
+    with (
+        at_failpoints(monkeypatch, kill_workers),
+        pytest.raises(rotationpool.WorkerFailed) as failed,
+    ):
         vault.rotate()
-    monkeypatch.setattr(testhooks, "failpoint", real_failpoint)
     assert len(killed) == 2
     message = failed.value.message
     assert "\n" not in message and "`memvault rotate` again" in message, message
@@ -161,19 +181,14 @@ def test_a_worker_that_dies_stops_the_rotation_in_one_line_and_rotate_finishes_i
     r = run_cli("--json", "rotate")
     assert r.code == 0, r
     assert authenticated_counts(vault_db) == (N, 0, 0)
-    fresh = Vault.open(vault_db)
-    assert {sid: fresh.items(sid)[0] for sid in expected} == expected
-    assert {json.loads(t)["kid"] for t in rows(vault_db)} == {fresh.sealer().kid}
+    assert_whole_under_one_key(vault_db, expected)
 
 
 def test_a_rotation_whose_workers_cannot_start_re_encrypts_here(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     expected = fill(vault_db)
-    monkeypatch.setattr(rotation, "DEFAULT_BATCH", BATCH)
-    monkeypatch.setattr(rotation, "PARALLEL_MIN_ROWS", N)
-    monkeypatch.setattr(rotationpool, "cores", lambda: 2)
+    use_workers(monkeypatch)
     monkeypatch.setattr(sys, "executable", str(vault_db.parent / "no-such-python"))
     assert vault.rotate().counts["items"] == N
-    fresh = Vault.open(vault_db)
-    assert {sid: fresh.items(sid)[0] for sid in expected} == expected
+    assert_whole_under_one_key(vault_db, expected)
