@@ -57,6 +57,24 @@ def sql(url: str, *statements: str, args: tuple[Any, ...] = ()) -> list[Any]:
     return asyncio.run(go())
 
 
+def insert_sealed(url: str, session_id: str, contents: list[str], at: int | None) -> None:
+    """Items sealed with the vault's key at a chosen Fernet time, inserted with SQL."""
+    from vault.engines.postgres.vault import PgVault
+
+    sealer = PgVault.open(url).sealer()
+    sql(
+        url,
+        "INSERT INTO agent_sessions (session_id) VALUES ($1) ON CONFLICT DO NOTHING",
+        args=(session_id,),
+    )
+    for c in contents:
+        sql(
+            url,
+            "INSERT INTO agent_messages (session_id, message_data) VALUES ($1, $2)",
+            args=(session_id, sealer.seal(session_id, {"role": "user", "content": c}, at)),
+        )
+
+
 def raw_kids(url: str) -> list[str | None]:
     from vault.engines.postgres.rotate import kid_of
 
