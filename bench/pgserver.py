@@ -19,13 +19,15 @@ PG_URL_VARS = ("MEMVAULT_BENCH_POSTGRES_URL", "MEMVAULT_TEST_POSTGRES_URL")
 PG_WRITERS = (1, 2, 4, 8)
 
 # A writer process for the throughput figure: one session of its own, one turn per
-# add_items, as many as it can acknowledge between the "go" file and the deadline.
-PG_WRITER = """
+# add_items, as many as it can acknowledge between the "go" file and the deadline. The
+# vault's session (PG_WRITER) or the bare SDK one over SQLAlchemy's default pool
+# (PG_BARE_WRITER, its key on stdin, into a schema without the vault's guard).
+_WRITER_ARGS = """
 import asyncio, json, sys, time
 from pathlib import Path
-import vault
 url, sid, ready, go, seconds, out, turn = sys.argv[1:8]
-session = vault.open_session(sid, url)
+"""
+_WRITER_LOOP = """
 turn = json.loads(turn)
 async def main():
     await session.add_items(turn)  # warm-up: imports, key, first connection
@@ -42,6 +44,34 @@ async def main():
     Path(out).write_text(json.dumps({"items": done, "waits": waits}))
 asyncio.run(main())
 """
+PG_WRITER = (
+    _WRITER_ARGS
+    + """
+import vault
+session = vault.open_session(sid, url)
+"""
+    + _WRITER_LOOP
+)
+PG_BARE_WRITER = (
+    _WRITER_ARGS
+    + """
+from agents.extensions.memory import EncryptedSession
+from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+from sqlalchemy.ext.asyncio import create_async_engine
+from vault.engines.postgres.url import parse
+loc = parse(url)
+engine = create_async_engine(
+    loc.sqlalchemy_url, connect_args={"server_settings": loc.server_settings()}
+)
+session = EncryptedSession(
+    session_id=sid,
+    underlying_session=SQLAlchemySession(sid, engine=engine),
+    encryption_key=sys.stdin.readline().strip(),
+    ttl=30 * 86400,
+)
+"""
+    + _WRITER_LOOP
+)
 
 
 def pg_url_from_env() -> str | None:

@@ -57,6 +57,47 @@ def sql(url: str, *statements: str, args: tuple[Any, ...] = ()) -> list[Any]:
     return asyncio.run(go())
 
 
+def end_lock_holders(url: str, lock: str, *, waiting: bool = False) -> list[Any]:
+    """End the backends holding advisory lock `lock` of the URL's vault (or, `waiting`,
+    those waiting for it), as a restart, a failover or an idle-session killer would: the
+    pids ended.
+
+    Only this vault's lock (keyed by the lock's name and the URL's schema, as
+    vault.engines.postgres.lock and schema take them): the test workers share the server,
+    and ending every holder of any advisory lock also ended another worker's connection
+    mid-init (its migration lock held), which then failed its fixture.
+    """
+    from vault.engines.postgres.url import parse
+
+    rows = sql(
+        url,
+        "SELECT pid, pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "AND objsubid = 2 AND classid = hashtext($1)::oid AND objid = hashtext($2)::oid "
+        "AND granted = $3 AND pid <> pg_backend_pid()",
+        args=(lock, parse(url).schema, not waiting),
+    )
+    return [r["pid"] for r in rows]
+
+
+def insert_sealed(url: str, session_id: str, contents: list[str], at: int | None) -> None:
+    """Items sealed with the vault's key at a chosen Fernet time, inserted with SQL."""
+    from vault.engines.postgres.vault import PgVault
+
+    sealer = PgVault.open(url).sealer()
+    sql(
+        url,
+        "INSERT INTO agent_sessions (session_id) VALUES ($1) ON CONFLICT DO NOTHING",
+        args=(session_id,),
+    )
+    for c in contents:
+        sql(
+            url,
+            "INSERT INTO agent_messages (session_id, message_data) VALUES ($1, $2)",
+            args=(session_id, sealer.seal(session_id, {"role": "user", "content": c}, at)),
+        )
+
+
 def raw_kids(url: str) -> list[str | None]:
     from vault.engines.postgres.rotate import kid_of
 

@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_cli
-from tests.pgserver import MARKS
+from tests.pgserver import MARKS, insert_sealed
 from tests.postgres.test_postgres_admin import (
     host_b_env,
     host_b_keys,
-    insert_sealed,
     one_line_error,
     write,
 )

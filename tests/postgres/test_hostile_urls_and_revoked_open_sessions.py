@@ -103,8 +103,9 @@ def test_an_open_session_says_no_vault_once_another_process_shreds(pg_url: str) 
 def test_a_rotation_whose_connection_drops_says_so_and_the_next_one_finishes(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.pgserver import raw_kids, sql
+    from tests.pgserver import end_lock_holders, raw_kids
     from vault import testhooks
+    from vault.engines.postgres.lock import ADMIN_LOCK
     from vault.engines.postgres.vault import PgVault
     from vault.errors import OperationFailed
 
@@ -123,13 +124,9 @@ def test_a_rotation_whose_connection_drops_says_so_and_the_next_one_finishes(
         # The server ends the rotation's backend (the advisory lock's holder) after a batch:
         # what a restart, a failover or an idle-session killer does.
         if name == "pg-rotate-after-batch" and not killed:
-            query = (
-                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                "AND granted AND pid <> pg_backend_pid()"
-            )
             # Called inside the rotation's event loop: the helper's own loop on a thread.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                killed.extend(pool.submit(sql, pg_url, query).result())
+                killed.extend(pool.submit(end_lock_holders, pg_url, ADMIN_LOCK).result())
 
     monkeypatch.setattr(testhooks, "failpoint", drop_the_connection)
     with pytest.raises(OperationFailed) as cut:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MEMORY_BACKEND, ROOT, keyring_entries, run_cli
-from tests.pgserver import MARKS, SERVER_URL, sql
+from tests.pgserver import MARKS, SERVER_URL, insert_sealed, sql
 
 pytestmark = MARKS
 BUSY = "another rotation, purge, restore, revoke or shred of"
@@ -38,24 +38,6 @@ def write(url: str, session_id: str, contents: list[str]) -> None:
         await s.add_items([{"role": "user", "content": c} for c in contents])
 
     asyncio.run(go())
-
-
-def insert_sealed(url: str, session_id: str, contents: list[str], at: int | None) -> None:
-    """Items sealed with the vault's key at a chosen Fernet time, inserted with SQL."""
-    from vault.engines.postgres.vault import PgVault
-
-    sealer = PgVault.open(url).sealer()
-    sql(
-        url,
-        "INSERT INTO agent_sessions (session_id) VALUES ($1) ON CONFLICT DO NOTHING",
-        args=(session_id,),
-    )
-    for c in contents:
-        sql(
-            url,
-            "INSERT INTO agent_messages (session_id, message_data) VALUES ($1, $2)",
-            args=(session_id, sealer.seal(session_id, {"role": "user", "content": c}, at)),
-        )
 
 
 def count_rows(url: str) -> int:

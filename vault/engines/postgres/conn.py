@@ -118,6 +118,7 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
     the vault's master key). A lock held past MEMVAULT_LOCK_TIMEOUT is busy (5).
     """
     where = loc.display
+    exc = first_failure(exc)
     state = getattr(exc, "sqlstate", None)
     text = " ".join(str(exc).split())[:200]
     if state in ("28P01", "28000"):
@@ -152,7 +153,7 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
         return OperationFailed(f"{GUARD_MESSAGE}; nothing was stored")
     if state in ("53300", "57P03"):
         return VaultBusy(f"the PostgreSQL server of {where} is not accepting sessions ({text})")
-    if state in LOST or type(exc).__name__ == "ConnectionDoesNotExistError":
+    if state in LOST or type(exc).__name__ == "ConnectionDoesNotExistError" or closed(exc):
         return OperationFailed(
             f"lost the connection to the PostgreSQL server of {where} mid-command ({text}); "
             "what was committed stays; run the command again (a `memvault rotate` or "
@@ -186,6 +187,22 @@ def translate(exc: BaseException, loc: PgLocation) -> VaultError:
     return OperationFailed(f"PostgreSQL connection to {where} failed ({type(exc).__name__})")
 
 
+def first_failure(exc: BaseException) -> BaseException:
+    """The error that ended the connection, not the one a transaction's exit raised over
+    it: asyncpg's rollback on a connection the server has ended (a restart,
+    pg_terminate_backend) raises InterfaceError ("the underlying connection is closed")."""
+    seen = exc
+    while closed(seen) and is_driver_error(seen.__context__):
+        assert seen.__context__ is not None
+        seen = seen.__context__
+    return seen
+
+
+def closed(exc: BaseException | None) -> bool:
+    """asyncpg's word for a statement sent on a connection already ended."""
+    return type(exc).__name__ == "InterfaceError" and "connection is closed" in str(exc)
+
+
 def translate_after(exc: BaseException, loc: PgLocation, done: str) -> BaseException:
     """`translate` for a failure after a step that cannot be undone (the keys destroyed,
     the switch to a new key): its "nothing was changed" would be false, so the message
@@ -196,7 +213,7 @@ def translate_after(exc: BaseException, loc: PgLocation, done: str) -> BaseExcep
     return type(err)(f"{err.message.removesuffix('; nothing was changed')}; {done}")
 
 
-def is_driver_error(exc: BaseException) -> bool:
+def is_driver_error(exc: BaseException | None) -> bool:
     """An error of the connection or the server (translated), not a bug of memvault's."""
     if isinstance(exc, OSError | TimeoutError):
         return True

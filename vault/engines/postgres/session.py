@@ -12,6 +12,11 @@ Relies on the SDK internals listed in vault.engines.sqlite.session, plus:
   compaction wrapper replaces history through our `clear_session`/`add_items`.
 - `SQLAlchemySession._deserialize_item(item)`: the SDK's one row decoder (its
   docstring invites overriding); overridden so a row too deeply nested is skipped.
+- `SQLAlchemySession._session_factory`: where every SDK operation gets its ORM session
+  (through `_session()`); made a property that binds it to the running event loop's pool
+  (vault.engines.postgres.pool). `_engine`, set from the constructor's `engine`, is then
+  read only for its dialect. tests/postgres/test_postgres_pooled_session.py counts the
+  connections opened, so an SDK that bypassed the factory would fail there.
 """
 
 from __future__ import annotations
@@ -19,18 +24,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agents import SessionSettings
 from agents.extensions.memory import EncryptedSession
 from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
-from sqlalchemy import event
 from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from vault import crypto
-from vault.engines.postgres.conn import CONNECT_TIMEOUT, server_settings, translate
+from vault.engines.postgres import pool
+from vault.engines.postgres.conn import server_settings, translate
 from vault.engines.sqlite.db import lock_timeout
 from vault.engines.sqlite.schema import GUARD_MESSAGE
 from vault.engines.sqlite.session import VaultSession
@@ -43,7 +48,41 @@ if TYPE_CHECKING:
 
 
 class VaultSQLAlchemySession(SQLAlchemySession):
-    """The SDK's SQLAlchemySession on the vault's tables; never creates tables itself."""
+    """The SDK's SQLAlchemySession on the vault's tables, over the pool of whichever event
+    loop each operation runs on (vault.engines.postgres.pool); never creates tables."""
+
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        url: str,
+        settings: dict[str, str],
+        on_meta: Callable[[dict[str, str] | None], None],
+        session_settings: SessionSettings | dict[str, Any] | None = None,
+    ) -> None:
+        self._url = url
+        self._settings = settings
+        self._on_meta = on_meta
+        super().__init__(
+            session_id,
+            engine=pool.template(url, settings),
+            create_tables=False,
+            session_settings=session_settings,
+        )
+
+    @property  # the SDK's attribute, made per event loop
+    def _session_factory(self) -> async_sessionmaker[AsyncSession]:
+        return async_sessionmaker(
+            pool.engine_for(self._url, self._settings),
+            expire_on_commit=False,
+            sync_session_class=pool.MetaSession,
+            info={pool.ON_META: self._on_meta},
+        )
+
+    @_session_factory.setter
+    def _session_factory(self, _sdk_own: object) -> None:
+        # The SDK sets one factory bound to one engine, hence to one event loop: ignored.
+        return None
 
     async def _deserialize_item(self, item: str) -> Any:
         # The SDK skips a row whose decoding raises JSONDecodeError, not RecursionError or
@@ -84,37 +123,23 @@ class PgVaultSession(VaultSession):
         sealer = vault.sealer()
         self._vault = vault  # type: ignore[assignment]  # the same duck type as Vault
         self._db_path = vault.path  # type: ignore[assignment]  # the redacted URL
-        settings = server_settings(vault.loc)
-        # NullPool: a connection per operation, so a session object works from any event
-        # loop (asyncio.run twice, a new loop per request) instead of a pool tied to one.
-        engine = create_async_engine(
-            vault.loc.sqlalchemy_url,
-            poolclass=NullPool,
-            connect_args={"server_settings": settings, "timeout": CONNECT_TIMEOUT},
-        )
-        # Every operation connects afresh (NullPool): that connection first reads the TTL
-        # and the kid, so a `memvault ttl`, `rotate` or `revoke` run on any host applies at
-        # this session's next read, as a SQLite session sees it through data_version.
+        # Every operation's connection, pooled or new, first reads the TTL and the kid
+        # (vault.engines.postgres.pool), so a `memvault ttl`, `rotate` or `revoke` run on
+        # any host applies at this session's next operation, as a SQLite session sees it
+        # through data_version.
         self._meta_kid: str | None = None
-        event.listen(engine.sync_engine, "connect", self._read_ttl)
         underlying = VaultSQLAlchemySession(
-            session_id, engine=engine, create_tables=False, session_settings=session_settings
+            session_id,
+            url=vault.loc.sqlalchemy_url,
+            settings=server_settings(vault.loc),
+            on_meta=self._apply_meta,
+            session_settings=session_settings,
         )
         self._start(session_id, underlying, sealer, vault.ttl)
 
-    def _read_ttl(self, dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(
-                "SELECT key, value FROM memvault_meta WHERE key IN ('ttl_seconds', 'kid')"
-            )
-            meta = dict(cursor.fetchall())
-        except Exception:
-            # No vault there any more: the operation itself reports it, translated.
-            dbapi_connection.rollback()
-            return
-        finally:
-            cursor.close()
+    def _apply_meta(self, meta: dict[str, str] | None) -> None:
+        if meta is None:
+            return  # the read failed (no vault any more): the operation says so itself
         if "ttl_seconds" in meta:
             self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
         self._meta_kid = meta.get("kid")
@@ -193,5 +218,6 @@ class PgVaultSession(VaultSession):
             return
 
     def close(self) -> None:
-        # NullPool keeps no connection open between operations: nothing to release.
+        # The pools belong to event loops, shared by the sessions on each, and close when
+        # their loop ends (vault.engines.postgres.pool): nothing of this session's to release.
         return None
