@@ -5,10 +5,8 @@ read after a move is a new process: `show`, and `vault.open_session` writing and
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +15,10 @@ import pytest
 from tests import baoserver
 from tests.conftest import ROOT, keyring_entries
 from tests.keys.test_transit_vault_failures import closed_port_addr, key_exists
-from tests.keys.test_transit_vault_lifecycle import meta_rows as pg_meta_rows
-from tests.keys.test_transit_vault_lifecycle import ok, shown
+from tests.keys.test_transit_vault_lifecycle import meta_rows, ok, shown
 from tests.keys.test_transit_vaults import (
     HOST_WRITES,
     ON_POSTGRES,
-    admin_transit,
     cli_at,
     host_env,
     host_write,
@@ -33,13 +29,6 @@ from vault.errors import VaultBusy
 pytestmark = baoserver.MARKS
 WHERE = ["file", pytest.param("postgres", marks=ON_POSTGRES)]
 SOURCE_ROWS = ("key_source", "transit_mount", "wrapped_key:")
-
-
-@pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
 
 
 @pytest.fixture
@@ -58,18 +47,6 @@ def keyring_write(db: str, env: dict[str, str], session: str, text: str) -> list
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return list(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def meta_rows(db: str) -> dict[str, str]:
-    """The meta rows; a file's read through a connection closed at once (an open one
-    would make `shred` find the file in use)."""
-    if db.startswith("postgresql"):
-        return pg_meta_rows(db)
-    conn = sqlite3.connect(db)
-    try:
-        return dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
-    finally:
-        conn.close()
 
 
 def source_rows(db: str) -> dict[str, str]:

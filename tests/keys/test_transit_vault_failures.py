@@ -17,28 +17,21 @@ from typing import Any
 import pytest
 
 from tests import baoserver, pgserver
+from tests.baoserver import admin_transit
 from tests.conftest import ROOT
 from tests.keys.test_transit_vaults import (
     HOST_WRITES,
     ON_POSTGRES,
-    admin_transit,
     cli_at,
     host_env,
     host_write,
-    init_transit,
     operator_env,
+    transit_vault,
 )
 from vault.errors import KeyMissing
 
 pytestmark = baoserver.MARKS
 DECRYPT_ONLY_POLICY = 'path "transit/decrypt/{key}" {{ capabilities = ["update"] }}\n'
-
-
-@pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
 
 
 def closed_port_addr() -> str:
@@ -175,8 +168,7 @@ def shared(
 ) -> tuple[str, str]:
     """A transit vault with one item in it, in a file or on PostgreSQL."""
     db = location(request.param, vault_db, request)
-    init_transit(db, key, tmp_path)
-    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    transit_vault(db, key, tmp_path, "kept")
     return key, db
 
 
@@ -233,8 +225,7 @@ def test_a_rotation_by_a_token_that_may_not_wrap_writes_nothing(
     where: str, key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
 ) -> None:
     db = location(where, vault_db, request)
-    init_transit(db, key, tmp_path)
-    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    transit_vault(db, key, tmp_path, "kept")
     before = meta_and_journal(db)
     decrypt_only = baoserver.token_with(DECRYPT_ONLY_POLICY.format(key=key))
     env = host_env(tmp_path, decrypt_only)
