@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests import baoserver
-from tests.conftest import ROOT, keyring_entries
+from tests.conftest import MEMORY_BACKEND, ROOT, keyring_entries
 from tests.keys.test_transit_vault_failures import closed_port_addr, key_exists
 from tests.keys.test_transit_vault_lifecycle import meta_rows, ok, shown
 from tests.keys.test_transit_vaults import (
@@ -240,3 +240,45 @@ def test_a_move_while_a_rotation_has_a_new_version_staged_waits_for_it(
     ok(cli_at(pg_url, op, "key", "move", f"transit:{key}"))
     b = host_env(tmp_path, baoserver.host_token(key))
     assert host_write(pg_url, b, "s1", "two") == ["one", "two"]
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=ON_POSTGRES)])
+def test_after_a_move_to_the_keyring_another_host_is_told_to_import_a_kit(
+    _: None, key: str, tmp_path: Path, pg_url: str
+) -> None:
+    """Host B used the transit key with a token; the operator moves the vault to its own
+    keyring. B, with a keyring of its own and only its token, is told why it has no key
+    and to import a kit; once it has, it reads and writes."""
+    op = operator_env(tmp_path)
+    ok(cli_at(pg_url, op, "init", "--key-source", f"transit:{key}"))
+    b = host_env(
+        tmp_path,
+        baoserver.host_token(key),
+        PYTHON_KEYRING_BACKEND=MEMORY_BACKEND,
+        MEMVAULT_TEST_KEYRING_FILE=str(tmp_path / "host-b-keyring.json"),
+    )
+    assert keyring_write(pg_url, b, "s1", "from B") == ["from B"]
+    ok(cli_at(pg_url, op, "key", "move", "keyring"))
+
+    says = ("moved from transit:", "`memvault key move keyring`", "`memvault key import KIT`")
+    for args in (("show", "s1"), ("rotate",)):
+        proc = cli_at(pg_url, b, *args)
+        for words in says:
+            one_line(proc, 4, words)
+    writer = subprocess.run(
+        [sys.executable, "-c", HOST_WRITES, pg_url, "s1", "refused", "any"],
+        capture_output=True, text=True, env=b, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert writer.returncode != 0 and all(w in writer.stderr for w in says), writer.stderr
+
+    kit = tmp_path / "kit.json"
+    exported = cli_at(
+        pg_url, op, "key", "export", "--passphrase-stdin", str(kit), input="pw-1234567\n"
+    )
+    assert exported.returncode == 0, exported.stderr
+    imported = cli_at(
+        pg_url, b, "key", "import", "--passphrase-stdin", str(kit), input="pw-1234567\n"
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert keyring_write(pg_url, b, "s1", "again") == ["from B", "again"]
+    assert shown(pg_url, {**b, "VAULT_ADDR": closed_port_addr()}) == ["from B", "again"]
