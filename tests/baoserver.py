@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from vault.keysource.transit import Transit
 
 ADDR_VAR = "MEMVAULT_TEST_BAO_ADDR"
 TOKEN_VAR = "MEMVAULT_TEST_BAO_TOKEN"
@@ -43,6 +47,14 @@ def admin() -> Any:
     return hvac.Client(url=ADDR, token=ADMIN_TOKEN, timeout=30)
 
 
+def admin_transit(key: str) -> Transit:
+    """The transit key `key` as the admin token sees it (it may do everything)."""
+    from vault.keysource.baotoken import Credentials
+    from vault.keysource.transit import Transit
+
+    return Transit(key, addr=ADDR, creds=Credentials(origin="the test", token=ADMIN_TOKEN))
+
+
 def key_name() -> str:
     """A key of its own for each test: the tests share one server, in parallel."""
     return "memvault-test-" + secrets.token_hex(6)
@@ -60,3 +72,12 @@ def token_with(policy_hcl: str, *, ttl: str = "1h", renewable: bool = True) -> s
 
 def host_token(key: str, **kw: Any) -> str:
     return token_with(HOST_POLICY.format(key=key), **kw)
+
+
+def fleet_page_policies(key: str) -> tuple[str, str]:
+    """The operator and host policies docs/fleet.md gives, for `key`."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "fleet.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```hcl\n")[1:]]
+    assert len(blocks) == 2, "docs/fleet.md: the operator's and the host's policy"
+    operator, host = (b.replace("memvault-laptop-42", key) for b in blocks)
+    return operator, host

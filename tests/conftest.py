@@ -233,6 +233,17 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def key() -> Iterator[str]:
+    """A transit key name of the test's own on the OpenBao test server (tests.baoserver),
+    not created yet (`init` or the test creates it); deleted afterwards, if it exists."""
+    from tests import baoserver
+
+    name = baoserver.key_name()
+    yield name
+    baoserver.admin_transit(name).delete_key()
+
+
+@pytest.fixture
 def pg_vault(pg_url: str) -> Any:
     from vault.engines.postgres.vault import PgVault
 

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,20 +20,13 @@ from tests.conftest import ROOT, keyring_entries
 from tests.keys.test_key_move import WHERE, init_keyring, source_rows
 from tests.keys.test_transit_vault_failures import closed_port_addr
 from tests.keys.test_transit_vault_lifecycle import ok, shown
-from tests.keys.test_transit_vaults import admin_transit, cli_at, host_env
+from tests.keys.test_transit_vaults import cli_at, host_env
 
 pytestmark = [pytest.mark.crash, *baoserver.MARKS]
 KILLED = -signal.SIGKILL
 TO_TRANSIT = ["key-move-after-new-source", "key-move-after-switch", "key-move-after-tidy-one"]
 TO_KEYRING = ["key-move-after-new-source", "key-move-after-switch"]
 N_RANDOM_KILLS = 3
-
-
-@pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
 
 
 @pytest.fixture

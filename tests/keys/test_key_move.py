@@ -5,24 +5,20 @@ read after a move is a new process: `show`, and `vault.open_session` writing and
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import baoserver
-from tests.conftest import ROOT, keyring_entries
+from tests.conftest import MEMORY_BACKEND, ROOT, keyring_entries
 from tests.keys.test_transit_vault_failures import closed_port_addr, key_exists
-from tests.keys.test_transit_vault_lifecycle import meta_rows as pg_meta_rows
-from tests.keys.test_transit_vault_lifecycle import ok, shown
+from tests.keys.test_transit_vault_lifecycle import meta_rows, ok, shown
 from tests.keys.test_transit_vaults import (
     HOST_WRITES,
     ON_POSTGRES,
-    admin_transit,
     cli_at,
     host_env,
     host_write,
@@ -33,13 +29,6 @@ from vault.errors import VaultBusy
 pytestmark = baoserver.MARKS
 WHERE = ["file", pytest.param("postgres", marks=ON_POSTGRES)]
 SOURCE_ROWS = ("key_source", "transit_mount", "wrapped_key:")
-
-
-@pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
 
 
 @pytest.fixture
@@ -58,18 +47,6 @@ def keyring_write(db: str, env: dict[str, str], session: str, text: str) -> list
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return list(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def meta_rows(db: str) -> dict[str, str]:
-    """The meta rows; a file's read through a connection closed at once (an open one
-    would make `shred` find the file in use)."""
-    if db.startswith("postgresql"):
-        return pg_meta_rows(db)
-    conn = sqlite3.connect(db)
-    try:
-        return dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
-    finally:
-        conn.close()
 
 
 def source_rows(db: str) -> dict[str, str]:
@@ -263,3 +240,45 @@ def test_a_move_while_a_rotation_has_a_new_version_staged_waits_for_it(
     ok(cli_at(pg_url, op, "key", "move", f"transit:{key}"))
     b = host_env(tmp_path, baoserver.host_token(key))
     assert host_write(pg_url, b, "s1", "two") == ["one", "two"]
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=ON_POSTGRES)])
+def test_after_a_move_to_the_keyring_another_host_is_told_to_import_a_kit(
+    _: None, key: str, tmp_path: Path, pg_url: str
+) -> None:
+    """Host B used the transit key with a token; the operator moves the vault to its own
+    keyring. B, with a keyring of its own and only its token, is told why it has no key
+    and to import a kit; once it has, it reads and writes."""
+    op = operator_env(tmp_path)
+    ok(cli_at(pg_url, op, "init", "--key-source", f"transit:{key}"))
+    b = host_env(
+        tmp_path,
+        baoserver.host_token(key),
+        PYTHON_KEYRING_BACKEND=MEMORY_BACKEND,
+        MEMVAULT_TEST_KEYRING_FILE=str(tmp_path / "host-b-keyring.json"),
+    )
+    assert keyring_write(pg_url, b, "s1", "from B") == ["from B"]
+    ok(cli_at(pg_url, op, "key", "move", "keyring"))
+
+    says = ("moved from transit:", "`memvault key move keyring`", "`memvault key import KIT`")
+    for args in (("show", "s1"), ("rotate",)):
+        proc = cli_at(pg_url, b, *args)
+        for words in says:
+            one_line(proc, 4, words)
+    writer = subprocess.run(
+        [sys.executable, "-c", HOST_WRITES, pg_url, "s1", "refused", "any"],
+        capture_output=True, text=True, env=b, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert writer.returncode != 0 and all(w in writer.stderr for w in says), writer.stderr
+
+    kit = tmp_path / "kit.json"
+    exported = cli_at(
+        pg_url, op, "key", "export", "--passphrase-stdin", str(kit), input="pw-1234567\n"
+    )
+    assert exported.returncode == 0, exported.stderr
+    imported = cli_at(
+        pg_url, b, "key", "import", "--passphrase-stdin", str(kit), input="pw-1234567\n"
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert keyring_write(pg_url, b, "s1", "again") == ["from B", "again"]
+    assert shown(pg_url, {**b, "VAULT_ADDR": closed_port_addr()}) == ["from B", "again"]

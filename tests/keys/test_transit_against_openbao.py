@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,11 +31,11 @@ def transit_with(key: str, token: str, **kw: object) -> Transit:
 
 
 @pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    assert transit_with(name, ADMIN_TOKEN).ensure_key() is True
-    yield name
-    transit_with(name, ADMIN_TOKEN).delete_key()
+def key(key: str) -> str:
+    """The test's own transit key (tests/conftest.py), made here: these tests start from
+    a key that exists."""
+    assert transit_with(key, ADMIN_TOKEN).ensure_key() is True
+    return key
 
 
 @pytest.fixture
@@ -264,18 +263,9 @@ def test_a_renewable_token_is_renewed_when_its_ttl_runs_low(key: str) -> None:
     assert data.get("last_renewal_time") and data["ttl"] > 5
 
 
-def policies_of_the_fleet_page(key: str) -> tuple[str, str]:
-    """The operator and host policies docs/fleet.md gives, for `key`."""
-    text = (ROOT / "docs" / "fleet.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in text.split("```hcl\n")[1:]]
-    assert len(blocks) == 2, "docs/fleet.md: the operator's and the host's policy"
-    operator, host = (b.replace("memvault-laptop-42", key) for b in blocks)
-    return operator, host
-
-
 def test_the_fleet_pages_policies_let_each_role_do_its_part_and_no_more() -> None:
     key = baoserver.key_name()
-    operator_hcl, host_hcl = policies_of_the_fleet_page(key)
+    operator_hcl, host_hcl = baoserver.fleet_page_policies(key)
     operator = transit_with(key, baoserver.token_with(operator_hcl))
     host = transit_with(key, baoserver.token_with(host_hcl))
     assert operator.ensure_key() is True and operator.ensure_key() is False

@@ -10,13 +10,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import baoserver, pgserver
-from tests.keys.test_transit_vaults import admin_transit, cli_at, host_env, init_transit
+from tests.keys.test_transit_vaults import cli_at, host_env, init_transit
 from tests.postgres.test_postgres_hosts import prefill
 
 pytestmark = [*baoserver.MARKS, *pgserver.MARKS, pytest.mark.slow]
@@ -46,13 +45,6 @@ WRITER = textwrap.dedent(
     asyncio.run(main())
     """
 )
-
-
-@pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
 
 
 def test_host_a_rotates_while_b_and_c_write_and_every_host_reads_everything(

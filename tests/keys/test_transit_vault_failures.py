@@ -17,28 +17,21 @@ from typing import Any
 import pytest
 
 from tests import baoserver, pgserver
+from tests.baoserver import admin_transit
 from tests.conftest import ROOT
 from tests.keys.test_transit_vaults import (
     HOST_WRITES,
     ON_POSTGRES,
-    admin_transit,
     cli_at,
     host_env,
     host_write,
-    init_transit,
     operator_env,
+    transit_vault,
 )
 from vault.errors import KeyMissing
 
 pytestmark = baoserver.MARKS
 DECRYPT_ONLY_POLICY = 'path "transit/decrypt/{key}" {{ capabilities = ["update"] }}\n'
-
-
-@pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
 
 
 def closed_port_addr() -> str:
@@ -175,8 +168,7 @@ def shared(
 ) -> tuple[str, str]:
     """A transit vault with one item in it, in a file or on PostgreSQL."""
     db = location(request.param, vault_db, request)
-    init_transit(db, key, tmp_path)
-    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    transit_vault(db, key, tmp_path, "kept")
     return key, db
 
 
@@ -233,11 +225,53 @@ def test_a_rotation_by_a_token_that_may_not_wrap_writes_nothing(
     where: str, key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
 ) -> None:
     db = location(where, vault_db, request)
-    init_transit(db, key, tmp_path)
-    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "kept")
+    transit_vault(db, key, tmp_path, "kept")
     before = meta_and_journal(db)
     decrypt_only = baoserver.token_with(DECRYPT_ONLY_POLICY.format(key=key))
     env = host_env(tmp_path, decrypt_only)
     assert cli_at(db, env, "show", "s1").returncode == 0  # it may read
     one_line_exit_4(cli_at(db, env, "rotate"), "may not wrap a key (encrypt)", token=decrypt_only)
     assert meta_and_journal(db) == before
+
+
+@ENGINES
+@pytest.mark.parametrize("may_delete", [True, False])
+def test_init_by_a_token_that_may_make_the_key_but_not_wrap_with_it_leaves_nothing(
+    may_delete: bool,
+    where: str,
+    key: str,
+    tmp_path: Path,
+    vault_db: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """The fleet page's operator policy alone: init creates the transit key, then may not
+    wrap the vault's first key with it. No vault, and the key it made is deleted again,
+    or (a token that may not delete it) the line tells the operator how."""
+    db = location(where, vault_db, request)
+    operator_hcl, host_hcl = baoserver.fleet_page_policies(key)
+    policy = operator_hcl
+    if not may_delete:
+        policy = operator_hcl.replace('"update", "delete"', '"update"')
+        assert policy != operator_hcl
+    token = baoserver.token_with(policy)
+    env = {**operator_env(tmp_path), "VAULT_TOKEN": token}
+    line = one_line_exit_4(
+        cli_at(db, env, "init", "--key-source", f"transit:{key}"),
+        "may not wrap a key (encrypt)",
+        "both the operator and the host policy",
+        "no vault was created",
+        token=token,
+    )
+    assert not has_vault(db)
+    if may_delete:
+        assert f"the transit key {key} that init created was deleted" in line
+        assert not key_exists(key)
+    else:
+        assert "this token may not delete it" in line
+        assert f"bao delete transit/keys/{key}" in line
+        assert key_exists(key)
+    # The fix the line names: a token with both policies makes the vault.
+    env["VAULT_TOKEN"] = baoserver.token_with(operator_hcl + host_hcl)
+    made = cli_at(db, env, "init", "--key-source", f"transit:{key}")
+    assert made.returncode == 0, made.stderr
+    assert has_vault(db)

@@ -7,47 +7,59 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import baoserver, pgserver
-from tests.keys.test_transit_vault_failures import key_exists, one_line_exit_4
+from tests.baoserver import admin_transit
+from tests.keys.test_transit_vault_failures import (
+    ENGINES,
+    key_exists,
+    location,
+    one_line_exit_4,
+)
 from tests.keys.test_transit_vaults import (
     ON_POSTGRES,
-    admin_transit,
     cli_at,
     host_env,
     host_write,
-    init_transit,
     operator_env,
+    transit_vault,
 )
 from vault.errors import KeyMissing
 
 pytestmark = baoserver.MARKS
 
 
-@pytest.fixture
-def key() -> Iterator[str]:
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
-
-
 def meta_rows(db: str) -> dict[str, str]:
+    """The meta rows; a file's read through a connection closed at once (an open one
+    would make `shred` find the file in use)."""
     if db.startswith("postgresql"):
         return {
             r["key"]: r["value"] for r in pgserver.sql(db, "SELECT key, value FROM memvault_meta")
         }
-    with sqlite3.connect(db) as conn:
+    conn = sqlite3.connect(db)
+    try:
         return dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    finally:
+        conn.close()
+
+
+def wrapped_kids(db: str) -> set[str]:
+    """The key versions whose wrapped key the vault holds."""
+    return {k.removeprefix("wrapped_key:") for k in meta_rows(db) if k.startswith("wrapped_key:")}
 
 
 def ok(proc: Any) -> Any:
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout) if proc.stdout.strip().startswith(("{", "[")) else proc.stdout
+
+
+def a_host(key: str, tmp_path: Path) -> dict[str, str]:
+    """Another host: no keyring, a token of its own with the host policy on `key`."""
+    return host_env(tmp_path, baoserver.host_token(key))
 
 
 def shown(db: str, env: dict[str, str], session: str = "s1") -> list[str]:
@@ -56,15 +68,13 @@ def shown(db: str, env: dict[str, str], session: str = "s1") -> list[str]:
 
 
 def rotation_by_a_host(db: str, key: str, tmp_path: Path) -> tuple[str, str]:
-    made = init_transit(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
-    host_write(db, b, "s1", "before")
+    made, b = transit_vault(db, key, tmp_path, "before")
     rotated = ok(cli_at(db, b, "--json", "rotate"))
     assert rotated["old_kid"] == made["kid"] and rotated["new_kid"] != made["kid"]
     rows = meta_rows(db)
     assert rows["kid"] == rotated["new_kid"]
     assert rows["wrapped_key:" + rotated["new_kid"]].startswith("vault:v1:")
-    c = host_env(tmp_path, baoserver.host_token(key))
+    c = a_host(key, tmp_path)
     assert host_write(db, c, "s1", "after") == ["before", "after"]
     return made["kid"], rotated["new_kid"]
 
@@ -73,20 +83,14 @@ def test_a_host_rotates_a_transit_file_vault_and_its_backup_still_reads(
     key: str, tmp_path: Path, vault_db: Path
 ) -> None:
     db = str(vault_db)
-    init_transit(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
-    host_write(db, b, "s1", "before")
+    made, b = transit_vault(db, key, tmp_path, "before")
     backup = tmp_path / "backup.db"
     ok(cli_at(db, b, "backup", str(backup)))
-    old = meta_rows(db)["kid"]
+    old = made["kid"]
     rotated = ok(cli_at(db, b, "--json", "rotate"))
     assert rotated["old_kid"] == old and rotated["old_key"] == "retained"
-    rows = meta_rows(db)
-    assert set(k for k in rows if k.startswith("wrapped_key:")) == {
-        "wrapped_key:" + old,
-        "wrapped_key:" + rotated["new_kid"],
-    }
-    c = host_env(tmp_path, baoserver.host_token(key))
+    assert wrapped_kids(db) == {old, rotated["new_kid"]}
+    c = a_host(key, tmp_path)
     assert host_write(db, c, "s1", "after") == ["before", "after"]
     assert shown(str(backup), c) == ["before"]
 
@@ -95,14 +99,11 @@ def test_a_rotation_killed_before_its_switch_commits_leaves_no_wrapped_key(
     key: str, tmp_path: Path, vault_db: Path
 ) -> None:
     db = str(vault_db)
-    made = init_transit(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
-    host_write(db, b, "s1", "before")
+    made, b = transit_vault(db, key, tmp_path, "before")
     killed = cli_at(db, {**b, "MEMVAULT_FAILPOINT": "after-pending"}, "rotate")
     assert killed.returncode != 0
-    rows = meta_rows(db)
-    assert rows["kid"] == made["kid"]
-    assert [k for k in rows if k.startswith("wrapped_key:")] == ["wrapped_key:" + made["kid"]]
+    assert meta_rows(db)["kid"] == made["kid"]
+    assert wrapped_kids(db) == {made["kid"]}
     assert shown(db, b) == ["before"]
 
 
@@ -111,28 +112,26 @@ def test_a_host_rotates_a_transit_postgres_vault(
     _: None, key: str, tmp_path: Path, pg_url: str
 ) -> None:
     old, new = rotation_by_a_host(pg_url, key, tmp_path)
-    assert "wrapped_key:" + old not in meta_rows(pg_url)  # no backup needs it: destroyed
+    assert wrapped_kids(pg_url) == {new}  # no backup needs the old one: destroyed
 
 
 def revoke_with(db: str, env: dict[str, str]) -> Any:
     return ok(cli_at(db, env, "--json", "revoke", "--yes"))
 
 
-@pytest.mark.parametrize("where", ["file", pytest.param("postgres", marks=ON_POSTGRES)])
+@ENGINES
 def test_revoke_by_the_operator_deletes_the_transit_key_and_every_host_stops(
     where: str, key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
 ) -> None:
-    db = request.getfixturevalue("pg_url") if where == "postgres" else str(vault_db)
-    made = init_transit(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
-    host_write(db, b, "s1", "secret")
+    db = location(where, vault_db, request)
+    made, b = transit_vault(db, key, tmp_path, "secret")
     wrapped = meta_rows(db)["wrapped_key:" + made["kid"]]
     r = revoke_with(db, operator_env(tmp_path))
     assert r["transit_key"] == "deleted" and "other_hosts" not in r
     assert not key_exists(key)
     with pytest.raises(KeyMissing):
         admin_transit(key).unwrap(wrapped)  # the service cannot unwrap any copy's key
-    assert not [k for k in meta_rows(db) if k.startswith("wrapped_key:")]
+    assert wrapped_kids(db) == set()
     one_line_exit_4(cli_at(db, b, "show", "s1"), "revoked")
 
 
@@ -140,27 +139,24 @@ def test_revoke_by_a_host_without_delete_rights_marks_the_vault_and_names_the_op
     key: str, tmp_path: Path, vault_db: Path
 ) -> None:
     db = str(vault_db)
-    init_transit(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
-    host_write(db, b, "s1", "secret")
+    _made, b = transit_vault(db, key, tmp_path, "secret")
     r = revoke_with(db, b)
     assert r["transit_key"] == "kept" and "operator must delete" in r["transit_key_fix"]
     assert key_exists(key)
     human = cli_at(db, b, "revoke", "--yes")
     assert human.returncode == 0 and "operator must delete" in human.stdout
-    c = host_env(tmp_path, baoserver.host_token(key))
+    c = a_host(key, tmp_path)
     one_line_exit_4(cli_at(db, c, "show", "s1"), "revoked")
     st = ok(cli_at(db, c, "--json", "status"))
     assert st["key"].startswith("key revoked")
 
 
-@pytest.mark.parametrize("where", ["file", pytest.param("postgres", marks=ON_POSTGRES)])
+@ENGINES
 def test_shred_of_a_transit_vault_takes_its_wrapped_keys_and_transit_key(
     where: str, key: str, tmp_path: Path, vault_db: Path, request: pytest.FixtureRequest
 ) -> None:
-    db = request.getfixturevalue("pg_url") if where == "postgres" else str(vault_db)
-    init_transit(db, key, tmp_path)
-    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "secret")
+    db = location(where, vault_db, request)
+    transit_vault(db, key, tmp_path, "secret")
     r = ok(cli_at(db, operator_env(tmp_path), "--json", "shred", "--yes"))
     assert r["transit_key"] == "deleted" and r["key_destroyed"] is True
     assert not key_exists(key)
@@ -175,7 +171,7 @@ def test_key_list_says_each_version_is_wrapped_in_the_vault_by_its_transit_key(
 ) -> None:
     db = str(vault_db)
     old, new = rotation_by_a_host(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
+    b = a_host(key, tmp_path)
     doc = ok(cli_at(db, b, "--json", "key", "list"))
     where = f"transit:{key} at {baoserver.ADDR} (mount transit)"
     assert doc["key_source"] == where
@@ -193,9 +189,7 @@ def test_a_recovery_kit_restores_a_vault_whose_transit_key_was_lost(
     """The documented way back: the operator makes the transit key again (same name),
     and `key import KIT` wraps the kit's versions with it, in the vault."""
     db = str(vault_db)
-    init_transit(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
-    host_write(db, b, "s1", "precious")
+    _made, b = transit_vault(db, key, tmp_path, "precious")
     kit = tmp_path / "kit.json"
     op = operator_env(tmp_path)
     exported = cli_at(db, op, "key", "export", "--passphrase-stdin", str(kit), input="pw-1234567\n")
@@ -215,16 +209,14 @@ def test_after_the_transit_key_rotates_a_rewrap_lets_its_minimum_rise(
     key: str, tmp_path: Path, vault_db: Path
 ) -> None:
     db = str(vault_db)
-    init_transit(db, key, tmp_path)
-    b = host_env(tmp_path, baoserver.host_token(key))
-    host_write(db, b, "s1", "one")
+    made, b = transit_vault(db, key, tmp_path, "one")
     backup = tmp_path / "backup.db"
     ok(cli_at(db, b, "backup", str(backup)))
     copy = tmp_path / "copy.db"
     copy.write_bytes(vault_db.read_bytes())  # a copy nobody rewraps
     assert admin_transit(key).rotate_key() == 2  # the operator rotates the transit key
     r = ok(cli_at(db, b, "--json", "key", "rewrap"))
-    kid = meta_rows(db)["kid"]
+    kid = made["kid"]
     assert r["rewrapped"] == [kid] and r["versions"] == {kid: 2}
     # The recorded backup holds its own copy, wrapped by version 1: not safe yet.
     assert r["safe_min_decryption_version"] == 1

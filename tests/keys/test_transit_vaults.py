@@ -9,17 +9,14 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import baoserver, pgserver
-from tests.baoserver import ADDR, ADMIN_TOKEN
+from tests.baoserver import ADDR, ADMIN_TOKEN, admin_transit
 from tests.conftest import ROOT, run_cli
-from vault.keysource.baotoken import Credentials
-from vault.keysource.transit import Transit
 
 pytestmark = baoserver.MARKS
 ON_POSTGRES = pgserver.MARKS
@@ -37,18 +34,6 @@ async def main():
     assert "keyring" not in sys.modules or sys.argv[4] == "any", "a keyring was loaded"
 asyncio.run(main())
 """
-
-
-def admin_transit(key: str) -> Transit:
-    return Transit(key, addr=ADDR, creds=Credentials(origin="the test", token=ADMIN_TOKEN))
-
-
-@pytest.fixture
-def key() -> Iterator[str]:
-    """A transit key name of this test's own, not created yet (init creates it)."""
-    name = baoserver.key_name()
-    yield name
-    admin_transit(name).delete_key()
 
 
 def host_env(tmp_path: Path, token: str, **extra: str) -> dict[str, str]:
@@ -100,6 +85,17 @@ def init_transit(db: str, key: str, tmp_path: Path) -> dict[str, Any]:
     assert res.code == 0, res
     doc: dict[str, Any] = res.json()
     return doc
+
+
+def transit_vault(
+    db: str, key: str, tmp_path: Path, text: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A transit vault that the operator made and a host with no keyring, holding only a
+    host token, wrote `text` into (session s1): init's JSON, and that host's environment."""
+    made = init_transit(db, key, tmp_path)
+    host = host_env(tmp_path, baoserver.host_token(key))
+    assert host_write(db, host, "s1", text) == [text]
+    return made, host
 
 
 def hosts_share_a_vault(db: str, key: str, tmp_path: Path) -> dict[str, Any]:

@@ -72,6 +72,7 @@ class TransitStore(KeyStore):
         self.wrapped = wrapped
         self._transit: Transit | None = None
         self._prewrapped: dict[str, tuple[str, str]] = {}  # entry -> (key id, wrapped)
+        self._created_key = False  # init made the transit key: a failed init deletes it
         self._backend = None
         self._broken = None
         self.name = f"transit:{key_name} (mount {mount})"
@@ -130,11 +131,51 @@ class TransitStore(KeyStore):
 
     def new_vault_rows(self, kid: str, master_key: str) -> dict[str, str]:
         """The meta rows a new vault holds: its source, and its first key wrapped. Creates
-        the transit key (deletion allowed) if it does not exist yet."""
+        the transit key (deletion allowed) if it does not exist yet; a wrap that fails
+        then takes that key away again (`drop_created_key`), and the line says so."""
+        from vault.errors import KeyProblem, KeySourceDenied
+
         transit = self.transit()
         transit.check_usable()
-        transit.ensure_key()
-        return {**self.source_rows(), wrapped_row(kid): transit.wrap(master_key)}
+        self._created_key = transit.ensure_key()
+        try:
+            wrapped = transit.wrap(master_key)
+        except KeyProblem as exc:
+            # An operator's token that may create the key but not use it (docs/fleet.md's
+            # operator policy alone) ends here.
+            needs = (
+                "; init needs a token with both the operator and the host policy"
+                if isinstance(exc, KeySourceDenied)
+                else ""
+            )
+            raise type(exc)(f"{exc.message}{needs}; {self.drop_created_key()}") from None
+        return {**self.source_rows(), wrapped_row(kid): wrapped}
+
+    def drop_created_key(self) -> str:
+        """After a failed init: delete the transit key that init created (no vault uses
+        it), never one it found. What became of it, for the error line."""
+        if not self._created_key:
+            return "no vault was created"
+        self._created_key = False
+        from vault.errors import KeyProblem, KeySourceDenied
+
+        transit = self.transit()
+        name, mount = transit.key_name, transit.mount
+        try:
+            transit.delete_key()
+        except KeyProblem as exc:
+            why = (
+                "this token may not delete it"
+                if isinstance(exc, KeySourceDenied)
+                else "deleting it failed too"
+            )
+            return (
+                f"no vault was created, but the transit key {name} that init created is "
+                f"left in the service ({why}): ask the operator to run bao write "
+                f"{mount}/keys/{name}/config deletion_allowed=true, then bao delete "
+                f"{mount}/keys/{name} (or to keep it for the next init)"
+            )
+        return f"no vault was created, and the transit key {name} that init created was deleted"
 
 
 def refuse_moved(ks: KeyStore, meta: dict[str, str], path: object) -> None:
@@ -168,6 +209,17 @@ def stage_first_key(ks: KeyStore, vault_id: str, kid: str, key: str) -> dict[str
 
     ks.set(entry_name(vault_id, kid), key)
     return {}
+
+
+def unstage_first_key(ks: KeyStore, vault_id: str, kid: str) -> None:
+    """Undo `stage_first_key` after init failed: the keyring entry, or the transit key
+    that init created."""
+    if isinstance(ks, TransitStore):
+        ks.drop_created_key()
+        return
+    from vault.keyjournal import entry_name
+
+    ks.delete(entry_name(vault_id, kid))
 
 
 def init_store(source: str, mount: str | None) -> TransitStore | None:

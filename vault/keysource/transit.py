@@ -227,8 +227,9 @@ class Transit:
     def _missing(self, what: str) -> KeyMissing:
         return KeyMissing(
             f"{self.where()} does not exist (deleted, or never created) while trying to "
-            f"{what}; the keys it wrapped cannot be unwrapped: restore the vault's key from "
-            "its recovery kit, or check the key name and mount"
+            f"{what}; the keys it wrapped cannot be unwrapped: with the vault's recovery kit, "
+            "the operator creates the key again (same name) and `memvault key import KIT` "
+            "wraps the kit's keys with it; otherwise check the key name and mount"
         )
 
     def _refusal(self, what: str, path: str) -> KeySourceDenied:

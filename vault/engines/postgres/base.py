@@ -8,6 +8,7 @@ keyring entry `<vault_id>/<kid>`, as for a file; while an online rotation runs
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -171,19 +172,37 @@ class PgVaultBase(MetaKeys):
 
     def _refuse_changed_key(self, vault_id: str, kid: str) -> None:
         """The current key is not in this keyring: if an older version of this vault is,
-        another host rotated, and this one must import the new kit (KeyMissing, exit 4)."""
+        another host rotated; if the vault last moved to the keyring, the host that moved
+        it has the key. Either way this one must import a kit (KeyMissing, exit 4)."""
 
-        async def read(conn: Any) -> list[str]:
+        async def read(conn: Any) -> tuple[list[str], Any]:
             rows = await conn.fetch("SELECT kid FROM memvault_keys WHERE kid <> $1", kid)
-            return [r[0] for r in rows]
+            moved = await conn.fetchrow(
+                "SELECT at, details FROM memvault_audit WHERE event = 'key-move' "
+                "ORDER BY id DESC LIMIT 1"
+            )
+            return [r[0] for r in rows], moved
 
-        held = [k for k in self.run(read) if self.keystore.get(entry_name(vault_id, k))]
+        kids, moved = self.run(read)
+        held = [k for k in kids if self.keystore.get(entry_name(vault_id, k))]
+        fix = (
+            "on a host that has the key run `memvault key export KIT`, bring KIT here, then "
+            "run `memvault key import KIT`"
+        )
         if held:
             raise KeyMissing(
                 f"{KEY_CHANGED} (vault {vault_id} now uses key {kid}; this keyring "
-                f"({self.keystore.name}) holds only {', '.join(sorted(held))}): on a host "
-                "that has the key run `memvault key export KIT`, bring KIT here, then run "
-                "`memvault key import KIT`"
+                f"({self.keystore.name}) holds only {', '.join(sorted(held))}): {fix}"
+            )
+        move = json.loads(moved["details"]) if moved else {}
+        if move.get("to") == "keyring":
+            # The last move put the keys in the keyring of the host that ran it only: the
+            # hosts that used the transit key hold nothing in theirs.
+            raise KeyMissing(
+                f"vault {vault_id} moved from {move.get('from')} to the keyring on "
+                f"{moved['at']} (`memvault key move keyring`), so its key {kid} is in the "
+                "keyring of the host that moved it, not in this one "
+                f"({self.keystore.name}): {fix}"
             )
 
     def cached_sealer(self, kid: str) -> crypto.Sealer | None:

@@ -1,8 +1,8 @@
 """`memvault init` on a URL: the tables, the guard and a random master key in a schema.
 
 Refuses a schema that already holds a vault or the SDK's tables (VaultExists). The key
-goes into the keyring first: a failure after it deletes that entry again, so there is
-never a vault without its key.
+goes into the keyring first: a failure after it deletes that entry again (or the transit
+key that init created), so there is never a vault without its key.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from vault.engines.postgres.schema import audit, record_key
 from vault.engines.postgres.url import parse
 from vault.engines.sqlite.schema import FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, utcnow
 from vault.errors import OperationFailed, VaultError, VaultExists
-from vault.keyjournal import CURRENT, entry_name
+from vault.keyjournal import CURRENT
 from vault.keys import KeyStore
-from vault.keysource.store import TransitStore, stage_first_key
+from vault.keysource.store import TransitStore, stage_first_key, unstage_first_key
 from vault.vaultops import new_identity, new_meta
 
 V = TypeVar("V", bound=PgVaultBase)  # PgVault, which calls this: no import circle
@@ -78,7 +78,7 @@ def create(cls: type[V], url: str, ttl: int | None, keystore: KeyStore | None) -
         vault.run(build, write=True)
     except BaseException:
         with contextlib.suppress(VaultError):
-            ks.delete(entry_name(vault_id, kid))
+            unstage_first_key(ks, vault_id, kid)
         raise
     if isinstance(ks, TransitStore):
         vault = cls(parse(url), None)  # its store is read from its meta, bound to it

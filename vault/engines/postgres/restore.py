@@ -40,17 +40,17 @@ from vault.engines.postgres.backup import refuse_unsettled
 from vault.engines.postgres.lock import locked
 from vault.engines.postgres.schema import audit, record_key
 from vault.engines.sqlite.db import peek, sqlite_errors
-from vault.engines.sqlite.restore import RestorePlan, verified_plan
+from vault.engines.sqlite.restore import REVOKED, RestorePlan, verified_plan
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, OperationFailed
 from vault.keyjournal import CURRENT, RETIRED
+from vault.keysource.store import MOUNT, SOURCE, WRAPPED
 from vault.verify import BATCH
 
 if TYPE_CHECKING:
     from vault.engines.postgres.vault import PgVault
 
-REVOKED = "its backups can no longer be read either"
 THEN = "restore"
 
 
@@ -120,6 +120,7 @@ async def _locked(vault: PgVault, conn: Any, plan: RestorePlan, sealer: Sealer) 
             await conn.execute(f"DELETE FROM {SESSIONS_TABLE}")
             # The guard admits the backup's rows from here: its kid is the current one.
             await conn.execute("UPDATE memvault_meta SET value = $1 WHERE key = 'kid'", sealer.kid)
+            await _carry_wrapped(conn, meta, got, sealer.kid)
             if old != sealer.kid:
                 await record_key(conn, old, RETIRED)
             await record_key(conn, sealer.kid, CURRENT)
@@ -145,6 +146,18 @@ async def _locked(vault: PgVault, conn: Any, plan: RestorePlan, sealer: Sealer) 
         "vacuumed": True,
         "restored": True,
     }
+
+
+async def _carry_wrapped(conn: Any, live: dict[str, str], backup: dict[str, str], kid: str) -> None:
+    """A transit vault that no longer holds the backup's version wrapped (`key forget`
+    dropped it) takes the backup's copy, which the check just unwrapped: the restored
+    vault then opens as the backup did, not without its key. The admin lock held keeps
+    the wrapped rows as `live` read them."""
+    row = WRAPPED + kid
+    same = all(backup.get(k) == live.get(k) for k in (SOURCE, MOUNT))
+    if SOURCE in live and row not in live and same and row in backup:
+        insert = "INSERT INTO memvault_meta (key, value) VALUES ($1, $2)"
+        await conn.execute(insert, row, backup[row])
 
 
 async def _copy_rows(

@@ -29,7 +29,7 @@ from vault.engines.sqlite.schema import FORMAT, SQLITE_MAGIC, migrate, utcnow
 from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
-from vault.keysource.store import TransitStore, stage_first_key
+from vault.keysource.store import TransitStore, stage_first_key, unstage_first_key
 from vault.vaultops import new_identity, new_meta
 
 # The vault class `create` builds (sqlite.vault.Vault, which calls it: a type variable, so
@@ -168,7 +168,7 @@ def create(
         else:
             _destroy_with_side_files(tmp)
             with contextlib.suppress(VaultError):
-                ks.delete(entry_name(vault_id, kid))
+                unstage_first_key(ks, vault_id, kid)
         raise
     finally:
         if fd >= 0:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vault import backupmark, files, keyjournal, paths, retention, targets, testhooks
+from vault.engines.sqlite.backup import refuse_unbackable
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
     audit,
@@ -55,7 +56,12 @@ from vault.engines.sqlite.restorestate import (
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
+from vault.keysource.store import MOUNT, SOURCE, WRAPPED
 from vault.verify import verify
+
+# Why a revoked vault takes no backup back (both engines): its backups' keys were destroyed
+# with it (a transit vault's with its transit key), and a restore would undo the revoke.
+REVOKED = "a revoked vault takes no backup back; `memvault shred` removes it"
 
 # The replaced vault's key versions enter the restored journal as retained: kept,
 # decrypt-only while the backups the replaced vault recorded (copied over too) need
@@ -142,6 +148,7 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
     if os.path.lexists(live):
         current = Vault.open(live)  # exit 3 for a file that is not a vault: never replaced
         live_meta = current.meta()
+        refuse_unbackable(live_meta, live, REVOKED)
         if backupmark.is_backup(live_meta):
             raise OperationFailed(
                 f"{live} is itself a backup of vault {live_meta[backupmark.BACKUP_OF]}; "
@@ -233,7 +240,7 @@ def _restore_locked(plan: RestorePlan, live: Path, src: Path, new: Path) -> None
                     "nothing was changed"
                 )
             versions = keyjournal.versions(conn)
-            _copy(src, new, plan, versions, meta["kid"], retention.records(conn))
+            _copy(src, new, plan, versions, meta, retention.records(conn))
         # The lock's connection is closed: its WAL is checkpointed and removed.
         _swap(live, new)
     else:
@@ -281,12 +288,14 @@ def _copy(
     new: Path,
     plan: RestorePlan,
     replaced: list[keyjournal.KeyVersion],
-    replaced_kid: str | None,
+    replaced_meta: dict[str, str] | None,
     replaced_backups: list[retention.BackupRecord],
 ) -> None:
     """Write the restored vault as `new`: the backup's rows, unmarked, its journal
-    naming the replaced vault's key versions too, and the replaced vault's records of
-    its backups (so the versions those backups use stay retained), the restore audited."""
+    naming the replaced vault's key versions too (with their wrapped keys, for a transit
+    vault), and the replaced vault's records of its backups (so the versions those
+    backups use stay retained), the restore audited."""
+    replaced_kid = replaced_meta["kid"] if replaced_meta else None
 
     kept = RETAINED
 
@@ -302,6 +311,8 @@ def _copy(
                 keyjournal.record(
                     conn, v.kid, DESTROYED if v.state == DESTROYED else kept, v.created_at
                 )
+        if replaced_meta:
+            _carry_wrapped(conn, replaced_meta)
         have = {r.backup_id for r in retention.records(conn)}
         for rec in replaced_backups:
             if rec.backup_id not in have:
@@ -317,6 +328,19 @@ def _copy(
             f"the backup {src} went away during the restore; nothing was changed"
         ) from None
     testhooks.failpoint("restore-copied")
+
+
+def _carry_wrapped(conn: sqlite3.Connection, replaced: dict[str, str]) -> None:
+    """The replaced vault's wrapped keys, for the versions the journal now keeps, when
+    both use the same transit key: as a keyring vault's versions stay in the keyring,
+    the restored vault then holds every version it names (and a kit carries them)."""
+    restored = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    if SOURCE not in restored or any(restored.get(k) != replaced.get(k) for k in (SOURCE, MOUNT)):
+        return
+    conn.executemany(
+        "INSERT INTO memvault_meta (key, value) VALUES (?, ?)",
+        [(k, v) for k, v in replaced.items() if k.startswith(WRAPPED) and k not in restored],
+    )
 
 
 def _swap(live: Path, new: Path) -> None:
