@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from cryptography.fernet import Fernet
 
+from tests.chainkit import insert_chained
 from tests.conftest import (
     CLIResult,
     add_items,
@@ -98,9 +99,8 @@ def insert_sealed(
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
         conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT OR IGNORE INTO agent_sessions (session_id) VALUES (?)", (session_id,))
-        conn.executemany(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
-            [(session_id, sealer.seal(session_id, item, ts)) for item, ts in items],
+        insert_chained(
+            conn, sealer, [(session_id, sealer.seal(session_id, item, ts)) for item, ts in items]
         )
         conn.execute("COMMIT")
 

@@ -36,6 +36,7 @@ from vault.keyload import refuse_revoked
 from vault.keysource.store import prewrap, refuse_moved
 
 if TYPE_CHECKING:
+    from vault.chain import ChainKey
     from vault.keys import KeyStore
 
 
@@ -98,9 +99,12 @@ def cut_off(meta: dict[str, str]) -> bool:
 class FileRows:
     """vault.rotation's `RotationRows` over one connection to a vault file."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, chain_keys: tuple[ChainKey, ChainKey]
+    ) -> None:
         self.conn = conn
         self.path = path
+        self.chain_keys = chain_keys  # (old, new): each row's link is re-MACed as it moves
 
     def read_rows(self, after: int, limit: int, naming: str | None = None) -> list[rotation.Row]:
         sql = f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} WHERE id > ? "
@@ -130,9 +134,15 @@ class FileRows:
                 conn.execute("ROLLBACK")
                 return None
             before = conn.total_changes
+            # Whichever process re-encrypted the rows (this one or the workers), the link
+            # is re-MACed here, under the lock, in the UPDATE that stores the new text.
+            from vault.engines.sqlite import chainrows  # here: every command imports this module
+
+            old, new = self.chain_keys
             conn.executemany(
-                f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ? AND message_data = ?",
-                updates,
+                f"UPDATE {MESSAGES_TABLE} SET message_data = ?, chain = ? "
+                "WHERE id = ? AND message_data = ?",
+                chainrows.remac_updates(conn, old, new, updates),
             )
             written = conn.total_changes - before
             if progress is not None:
@@ -191,6 +201,14 @@ def _switch(lc: KeyLifecycle, old: crypto.Sealer, new: crypto.Sealer) -> bool:
             )
             keyjournal.record(conn, old.kid, RETIRED)
             keyjournal.record(conn, new.kid, CURRENT)
+            # The heads move to the new key with the switch: a writer from here on holds
+            # only the new key, and the old one is retired once the rows have moved.
+            from vault import chainops
+            from vault.engines.sqlite import chainrows
+
+            chainrows.remac_heads(
+                conn, chainops.key_of(old, vault_id), chainops.key_of(new, vault_id)
+            )
             committed = True  # from here the outcome of a failure is unknown
             conn.execute("COMMIT")
         finally:
@@ -222,7 +240,10 @@ def finish(
                 with lc.write_transaction() as w:  # this process carries it on now
                     set_meta(w, **{OWNER: owner()})
             begin = int(meta.get(PROGRESS, "0") or 0)
-            rows = FileRows(conn, lc.path)
+            from vault import chainops
+
+            keys = (chainops.key_of(old, lc.vault_id), chainops.key_of(new, lc.vault_id))
+            rows = FileRows(conn, lc.path, keys)
             moved = rotation.move_rows(
                 rows,
                 old,
