@@ -194,31 +194,23 @@ def judged_sessions(conn: sqlite3.Connection) -> Iterator[str]:
 
 
 def remac_updates(
-    conn: sqlite3.Connection,
     old: ChainKey,
     new: ChainKey,
     updates: Sequence[tuple[str, int, str]],
-) -> list[tuple[str, str, int, str]]:
-    """The rotation's (new text, id, old text) updates with each row's link re-MACed
-    from `old` to `new` over the new text, for one `UPDATE ... SET message_data, chain`.
-    A row whose link does not verify is left under the old key, as an unreadable
-    envelope is (verify reports it)."""
-    if not updates:
-        return []
-    ids = [u[1] for u in updates]
-    links: dict[int, str | None] = {}
-    for i in range(0, len(ids), 500):
-        part = ids[i : i + 500]
-        marks = ",".join("?" * len(part))
-        links.update(
-            conn.execute(f"SELECT id, chain FROM {MESSAGES_TABLE} WHERE id IN ({marks})", part)
-        )
+    links: dict[int, str | None],
+) -> list[tuple[str, str, int, str, str]]:
+    """The rotation's (new text, id, old text) updates with each row's link (`links`, as
+    read with the old text, taken out) re-MACed from `old` to `new` over the new text:
+    (new text, new link, id, old text, old link) for one `UPDATE ... SET message_data,
+    chain ... WHERE` both are still as read. A row whose link does not verify is left
+    under the old key, as an unreadable envelope is (verify reports it)."""
     out = []
     for new_text, row_id, old_text in updates:
-        link = chain.Link.decode(links.get(row_id))
+        text = links.pop(row_id, None)
+        link = chain.Link.decode(text)
         moved = None if link is None else chain.remac(old, new, link, old_text, new_text)
-        if moved is not None:
-            out.append((new_text, moved.encode(), row_id, old_text))
+        if moved is not None and text is not None:
+            out.append((new_text, moved.encode(), row_id, old_text, text))
     return out
 
 

@@ -105,18 +105,23 @@ class FileRows:
         self.conn = conn
         self.path = path
         self.chain_keys = chain_keys  # (old, new): each row's link is re-MACed as it moves
+        # Each row's link as read with its text (no lock held): written re-MACed only
+        # where the row still holds both (a batch reads nothing under the lock).
+        self.links: dict[int, str | None] = {}
 
     def read_rows(self, after: int, limit: int, naming: str | None = None) -> list[rotation.Row]:
-        sql = f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} WHERE id > ? "
+        sql = f"SELECT id, session_id, message_data, chain FROM {MESSAGES_TABLE} WHERE id > ? "
         args: tuple[object, ...] = (after, limit)
         if naming is not None:
             sql += "AND instr(message_data, ?) > 0 "
             args = (after, naming, limit)
         self.conn.execute("BEGIN")  # a read transaction: no lock a writer waits for
         try:
-            return self.conn.execute(sql + "ORDER BY id LIMIT ?", args).fetchall()
+            found = self.conn.execute(sql + "ORDER BY id LIMIT ?", args).fetchall()
         finally:
             self.conn.execute("COMMIT")
+        self.links.update((row_id, link) for row_id, _sid, _data, link in found)
+        return [(row_id, sid, data) for row_id, sid, data, _link in found]
 
     def last_id(self) -> int:
         """The highest row id (0 for none): how far the batches go, at most."""
@@ -141,12 +146,15 @@ class FileRows:
             old, new = self.chain_keys
             conn.executemany(
                 f"UPDATE {MESSAGES_TABLE} SET message_data = ?, chain = ? "
-                "WHERE id = ? AND message_data = ?",
-                chainrows.remac_updates(conn, old, new, updates),
+                "WHERE id = ? AND message_data = ? AND chain IS ?",
+                chainrows.remac_updates(old, new, updates, self.links),
             )
             written = conn.total_changes - before
             if progress is not None:
                 set_meta(conn, **{PROGRESS: str(progress)})
+                # The batch's rows not moved (unreadable, or new already) need no link now.
+                for row_id in [k for k in self.links if k <= progress]:
+                    del self.links[row_id]
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
