@@ -12,8 +12,8 @@ import pytest
 
 from tests import baoserver
 from tests.keys.test_key_move import WHERE, keyring_write
-from tests.keys.test_transit_vault_failures import one_line_exit_4, snapshot
-from tests.keys.test_transit_vault_lifecycle import ok, shown
+from tests.keys.test_transit_vault_failures import closed_port_addr, one_line_exit_4, snapshot
+from tests.keys.test_transit_vault_lifecycle import a_host, meta_rows, ok, shown
 from tests.keys.test_transit_vaults import ON_POSTGRES, cli_at, operator_env
 
 pytestmark = baoserver.MARKS
@@ -50,10 +50,14 @@ def test_a_backup_from_before_a_key_move_restores_and_opens_in_a_new_process(
     ok(cli_at(db, op, "--json", "rotate"))
     restored = ok(cli_at(db, op, "--json", "restore", "--yes", backup))
     assert restored["restored"] is True
-    # A new process reads the restored vault through the source it now names, and
+    # A file takes the backup's source with its meta; a PostgreSQL vault keeps its own.
+    now = then if db.startswith("postgresql") else first
+    assert meta_rows(db).get("key_source", "keyring") == now
+    # A new process that can reach only that source reads the restored vault, and
     # `verify` authenticates every item.
-    assert shown(db, op) == ["before"]
-    checked = ok(cli_at(db, op, "--json", "verify"))
+    only = a_host(key, tmp_path) if now != "keyring" else {**op, "VAULT_ADDR": closed_port_addr()}
+    assert shown(db, only) == ["before"]
+    checked = ok(cli_at(db, only, "--json", "verify"))
     assert checked["ok"] is True and checked["kid"] == restored["kid"], checked
     assert keyring_write(db, op, "s1", "again") == ["before", "again"]
 
