@@ -89,7 +89,9 @@ def key_forget(kid: str, yes: bool) -> None:
     while a recorded backup uses it. This destroys that entry and drops the
     records of those backups: they can then be read only with a recovery kit
     that holds the version. Names what becomes unreadable and asks first
-    (or --yes). Only a retained version can be forgotten.
+    (or --yes). Only a retained version can be forgotten. A transit vault's
+    backups keep their own wrapped copy: they stay readable until the transit
+    key is deleted.
 
     \b
     Example:
@@ -100,17 +102,32 @@ def key_forget(kid: str, yes: bool) -> None:
     lost = [
         b for v in vault.key_versions() if v.kid == kid and v.state == "retained" for b in v.backups
     ]
+    # A transit vault's backup holds its own wrapped copy of each version, which the
+    # transit key still unwraps: forgetting drops only the vault's copy and the records.
+    from vault.keysource.store import SOURCE
+
+    transit = SOURCE in vault.meta()
     if lost:
-        say(f"forgetting key {kid} makes these backups unreadable here:", err=True)
+        fate = (
+            "drops the records of these backups (each keeps its own wrapped copy of the "
+            "key and stays readable until the transit key is deleted)"
+            if transit
+            else "makes these backups unreadable here"
+        )
+        say(f"forgetting key {kid} {fate}:", err=True)
         for line in backup_lines(lost, "  "):
             click.echo(line, err=True)
     confirm(f"Destroy retained key {kid} of {vault.path}?", yes)
     r = vault.forget(kid)
+    if transit:
+        r["unreadable"], r["no_longer_recorded"] = [], r["unreadable"]
 
     def human() -> None:
         say(f"destroyed retained key {r['kid']} of vault {r['vault_id']}")
         for b in r["unreadable"]:
             say(f"  now unreadable here: {b['path']}")
+        for b in r.get("no_longer_recorded", []):
+            say(f"  no longer recorded, readable until the transit key is deleted: {b['path']}")
 
     emit(r, human)
 

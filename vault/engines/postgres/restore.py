@@ -43,9 +43,9 @@ from vault.engines.sqlite.db import peek, sqlite_errors
 from vault.engines.sqlite.restore import REVOKED, RestorePlan, verified_plan
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
 from vault.engines.sqlite.vault import Vault
-from vault.errors import BadInput, OperationFailed
-from vault.keyjournal import CURRENT, RETIRED
-from vault.keysource.store import MOUNT, SOURCE, WRAPPED
+from vault.errors import BadInput, KeyProblem, OperationFailed
+from vault.keyjournal import CURRENT, RETIRED, entry_name
+from vault.keysource.store import DEFAULT_MOUNT, KEYRING, MOUNT, SOURCE, WRAPPED, source_of
 from vault.verify import BATCH
 
 if TYPE_CHECKING:
@@ -68,8 +68,35 @@ def check(vault: PgVault, source: str | os.PathLike[str]) -> RestorePlan:
             "nothing was changed"
         )
     plan = verified_plan(src, vault.path, meta, True, ["the same vault id"])
+    _refuse_keyless(vault, live, meta, plan.kid, src)
     plan.replaced_items, plan.replaced_kid = vault.count_items(), live["kid"]
     return plan
+
+
+def _refuse_keyless(
+    vault: PgVault, live: dict[str, str], backup: dict[str, str], kid: str, src: Path
+) -> None:
+    """KeyProblem unless the vault's own key source will hold the backup's version once
+    restored: its rows come back under that key and the vault names it current. A
+    `key move` since the backup (with the version forgotten, or never moved) would
+    otherwise leave the vault with no key for any row."""
+    if WRAPPED + kid in live:
+        return
+    same = all(backup.get(k) == live.get(k) for k in (SOURCE, MOUNT))
+    if SOURCE in live:
+        if same and WRAPPED + kid in backup:
+            return  # _carry_wrapped takes the backup's copy along
+    elif vault.keystore.get(entry_name(live["vault_id"], kid)) is not None:
+        return
+    back = backup.get(SOURCE, KEYRING)
+    if back != KEYRING and backup.get(MOUNT, DEFAULT_MOUNT) != DEFAULT_MOUNT:
+        back += f" --transit-mount {backup[MOUNT]}"
+    raise KeyProblem(
+        f"the backup {src} uses key {kid}, which the vault's key source "
+        f"({source_of(live)}) does not hold: the vault moved from the backup's "
+        f"({source_of(backup)}) since; run `memvault key move {back}` first, then restore "
+        "again; nothing was changed"
+    )
 
 
 def restore(vault: PgVault, plan: RestorePlan) -> dict[str, Any]:
