@@ -34,7 +34,6 @@ from typing import Any
 
 import pytest
 
-from tests.chainkit import insert_chained
 from tests.conftest import keyring_entries, keyring_items, run_cli
 from tests.crashkit import (
     ROOT,
@@ -103,7 +102,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
         conn.executemany(
             "INSERT INTO agent_sessions (session_id) VALUES (?)", [(s,) for s in [*SESSIONS, "old"]]
         )
-        insert_chained(conn, sealer, rows)
+        conn.executemany(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", rows
+        )
     assert (
         run_cli(
             "--db",
@@ -129,7 +130,10 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     conn.execute("PRAGMA wal_autocheckpoint = 0")
     conn.execute("BEGIN IMMEDIATE")
     conn.execute("INSERT INTO agent_sessions (session_id) VALUES ('bulk')")
-    insert_chained(conn, sealer, _seal_rows(sealer, "bulk", bulk, now))
+    conn.executemany(
+        "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
+        _seal_rows(sealer, "bulk", bulk, now),
+    )
     conn.execute("COMMIT")
     # The files as a crash would leave them (the connection is still open).
     files = {p.name: p.read_bytes() for p in (db, wal_of(db))}

@@ -36,7 +36,6 @@ from typing import Any
 
 import pytest
 
-from tests.chainkit import insert_chained
 from tests.conftest import authenticated_counts, keyring_entries, raw_bytes, run_cli
 from tests.crashkit import put_back, start_writer, writer_items
 from vault import crypto
@@ -103,7 +102,9 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BigVault]:
         conn.executemany(
             "INSERT INTO agent_sessions (session_id) VALUES (?)", [(s,) for s in sorted(expected)]
         )
-        insert_chained(conn, sealer, rows)
+        conn.executemany(
+            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", rows
+        )
         conn.execute("COMMIT")
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         stored = conn.execute("SELECT id, message_data FROM agent_messages").fetchall()
