@@ -50,6 +50,12 @@ def source_of(meta: dict[str, str]) -> str:
     return f"{source} (mount {meta.get(MOUNT, DEFAULT_MOUNT)})"
 
 
+def same_source(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Whether two vaults' metas name the same key source: the keyring, or one transit
+    key at one mount (so wrapped versions from one unwrap under the other)."""
+    return all(a.get(k) == b.get(k) for k in (SOURCE, MOUNT))
+
+
 def wrapped_row(kid: str) -> str:
     return WRAPPED + kid
 

@@ -45,7 +45,15 @@ from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, OperationFailed
 from vault.keyjournal import CURRENT, RETIRED, entry_name
-from vault.keysource.store import DEFAULT_MOUNT, KEYRING, MOUNT, SOURCE, WRAPPED, source_of
+from vault.keysource.store import (
+    DEFAULT_MOUNT,
+    KEYRING,
+    MOUNT,
+    SOURCE,
+    WRAPPED,
+    same_source,
+    source_of,
+)
 from vault.verify import BATCH
 
 if TYPE_CHECKING:
@@ -82,7 +90,7 @@ def _refuse_keyless(
     otherwise leave the vault with no key for any row."""
     if WRAPPED + kid in live:
         return
-    same = all(backup.get(k) == live.get(k) for k in (SOURCE, MOUNT))
+    same = same_source(backup, live)
     if SOURCE in live:
         if same and WRAPPED + kid in backup:
             return  # _carry_wrapped takes the backup's copy along
@@ -181,7 +189,7 @@ async def _carry_wrapped(conn: Any, live: dict[str, str], backup: dict[str, str]
     vault then opens as the backup did, not without its key. The admin lock held keeps
     the wrapped rows as `live` read them."""
     row = WRAPPED + kid
-    same = all(backup.get(k) == live.get(k) for k in (SOURCE, MOUNT))
+    same = same_source(backup, live)
     if SOURCE in live and row not in live and same and row in backup:
         insert = "INSERT INTO memvault_meta (key, value) VALUES ($1, $2)"
         await conn.execute(insert, row, backup[row])
