@@ -102,9 +102,7 @@ def key_forget(kid: str, yes: bool) -> None:
     lost = [
         b for v in vault.key_versions() if v.kid == kid and v.state == "retained" for b in v.backups
     ]
-    # A transit vault's backup holds its own wrapped copy of each version, which the
-    # transit key still unwraps: forgetting drops only the vault's copy and the records.
-    from vault.keysource.store import SOURCE
+    from vault.keysource.store import SOURCE  # see forgotten(): what a transit vault keeps
 
     transit = SOURCE in vault.meta()
     if lost:
@@ -119,14 +117,12 @@ def key_forget(kid: str, yes: bool) -> None:
             click.echo(line, err=True)
     confirm(f"Destroy retained key {kid} of {vault.path}?", yes)
     r = vault.forget(kid)
-    if transit:
-        r["unreadable"], r["no_longer_recorded"] = [], r["unreadable"]
 
     def human() -> None:
         say(f"destroyed retained key {r['kid']} of vault {r['vault_id']}")
         for b in r["unreadable"]:
             say(f"  now unreadable here: {b['path']}")
-        for b in r.get("no_longer_recorded", []):
+        for b in r["no_longer_recorded"]:
             say(f"  no longer recorded, readable until the transit key is deleted: {b['path']}")
 
     emit(r, human)

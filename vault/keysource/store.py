@@ -56,6 +56,19 @@ def same_source(a: dict[str, str], b: dict[str, str]) -> bool:
     return all(a.get(k) == b.get(k) for k in (SOURCE, MOUNT))
 
 
+def forgotten(meta: dict[str, str], kid: str, lost: list[Any]) -> dict[str, Any]:
+    """`key forget`'s result. A transit vault's backups each keep their own wrapped copy
+    of the version, which the transit key still unwraps: forgetting drops only their
+    records (`no_longer_recorded`), where a keyring vault's become `unreadable`."""
+    transit = SOURCE in meta
+    return {
+        "vault_id": meta["vault_id"],
+        "kid": kid,
+        "unreadable": [] if transit else lost,
+        "no_longer_recorded": lost if transit else [],
+    }
+
+
 def wrapped_row(kid: str) -> str:
     return WRAPPED + kid
 

@@ -16,6 +16,7 @@ from vault.engines.postgres.schema import audit, current_schema, record_key
 from vault.errors import BadInput
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED, entry_name
 from vault.keyload import refuse_revoked
+from vault.keysource.store import forgotten
 
 RECORDS = "SELECT backup_id, path, kid, created_at FROM memvault_backups ORDER BY seq"
 
@@ -109,7 +110,7 @@ def forget(vault: PgVaultBase, kid: str) -> dict[str, Any]:
                     await record_key(conn, kid, DESTROYED)
                     await conn.execute("DELETE FROM memvault_backups WHERE kid = $1", kid)
                     await audit(conn, "key-forget", kid, unreadable=[b["path"] for b in lost])
-                return {"vault_id": meta["vault_id"], "kid": kid, "unreadable": lost}
+                return forgotten(meta, kid, lost)
         finally:
             await conn.close()
 

@@ -15,6 +15,7 @@ from vault.engines.sqlite.db import VaultFile, audit, read_meta
 from vault.errors import BadInput
 from vault.keyjournal import DESTROYED, RETAINED, entry_name
 from vault.keyload import refuse_revoked
+from vault.keysource.store import forgotten
 from vault.results import KeyVersionInfo
 
 
@@ -75,7 +76,7 @@ class KeptVersions(VaultFile):
             keyjournal.record(conn, kid, DESTROYED)
             retention.drop_kid(conn, kid)
             audit(conn, "key-forget", kid, unreadable=[b["path"] for b in lost])
-        return {"vault_id": meta["vault_id"], "kid": kid, "unreadable": lost}
+        return forgotten(meta, kid, lost)
 
 
 def with_backups(
