@@ -108,13 +108,31 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_memory_dir, ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects a sweep's later cases
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_sweeps(items)
     if in_private_keyring():
         return  # CI and scripts/test run everything
     skip = pytest.mark.skip(reason=SECRET_SERVICE_SKIP)
     for item in items:
         if item.get_closest_marker("secret_service") is not None:
             item.add_marker(skip)
+
+
+def mark_sweeps(items: list[pytest.Item]) -> None:
+    """A test marked `sweep` runs the same check over many cases (every command, every bad
+    value): its first case stays in the fast tier; the others are `later_case`, which the
+    fast tier leaves out and --all runs with the rest, in parallel."""
+    seen: set[str] = set()
+    for item in items:
+        if item.get_closest_marker("sweep") is None:
+            continue
+        if getattr(item, "callspec", None) is None:
+            raise pytest.UsageError(f"{item.nodeid} is marked sweep but is not parametrized")
+        function = item.nodeid.split("[")[0]
+        if function in seen:
+            item.add_marker(pytest.mark.later_case)
+        seen.add(function)
 
 
 # -- The private keyring's daemon: a death mid-test fails that test, by name ------------

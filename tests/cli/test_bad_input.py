@@ -56,6 +56,7 @@ def untouched(vault: Any, db: Path, before: bytes) -> None:
         ("--db", "", "init"),
     ],
 )
+@pytest.mark.sweep
 def test_an_empty_db_path_is_a_usage_error(
     vault: Any, vault_db: Path, args: tuple[str, ...]
 ) -> None:
@@ -84,6 +85,7 @@ def test_a_db_path_that_is_not_utf8(vault: Any, vault_db: Path, tmp_path: Path) 
 # MEMVAULT_LOCK_TIMEOUT
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["abc", "inf", "-inf", "nan", "1e308", "-5", "864001"])
+@pytest.mark.sweep
 def test_an_unusable_lock_timeout_is_a_usage_error(vault: Any, vault_db: Path, value: str) -> None:
     add_items(vault_db, "s", [user("keep me")])
     kid = vault.sealer().kid
@@ -112,6 +114,7 @@ def test_a_usable_lock_timeout_still_works(vault: Any) -> None:
         ("show", "s", "--limit", str(2**63)),
     ],
 )
+@pytest.mark.sweep
 def test_a_huge_count_is_a_usage_error(vault: Any, vault_db: Path, args: tuple[str, ...]) -> None:
     add_items(vault_db, "s", [user("one"), assistant("two")])
     before = raw_bytes(vault_db)
@@ -137,6 +140,7 @@ def test_the_largest_count_sqlite_takes_still_works(vault: Any, vault_db: Path) 
         ("chat", NOT_UTF8),
     ],
 )
+@pytest.mark.sweep
 def test_a_session_id_that_is_not_utf8(vault: Any, vault_db: Path, args: tuple[str, ...]) -> None:
     add_items(vault_db, "s", [user("keep me")])
     before = raw_bytes(vault_db)
@@ -240,6 +244,7 @@ def _kit_with(tmp_path: Path, n: int, r: int, p: int) -> Path:
         (2**17, 8, 8),  # 8 times the work of our own kits
     ],
 )
+@pytest.mark.sweep
 def test_key_import_refuses_a_costly_kit_before_deriving(
     vault: Any, tmp_path: Path, n: int, r: int, p: int
 ) -> None:

@@ -122,6 +122,7 @@ def test_unknown_session(vault: Any, vault_db: Path) -> None:
 
 
 @pytest.mark.parametrize("bad", ["soon", "10y", "-5m", "0", "0s", "1.5h", ""])
+@pytest.mark.sweep
 def test_bad_duration(vault: Any, vault_db: Path, bad: str) -> None:
     before = snapshot(vault_db)
     one_line(run_cli("ttl", "--", bad), 2, "duration")

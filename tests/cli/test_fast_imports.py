@@ -70,6 +70,7 @@ def probe(
         ["verify"],
     ],
 )
+@pytest.mark.sweep
 def test_command_does_not_import_agents(vault: Any, vault_db: Path, args: list[str]) -> None:
     add_items(vault_db, "s1", [user("hello"), user("again")])
     code, mods = probe(*args)
@@ -157,6 +158,7 @@ def test_probe_detects_an_agents_import(vault: Any) -> None:
 @pytest.mark.parametrize(
     "args", [["--help"], ["status"], ["show", "s1"], ["verify"], ["search", "hello"]]
 )
+@pytest.mark.sweep
 def test_file_vault_commands_do_not_import_the_postgres_driver(
     vault: Any, vault_db: Path, args: list[str]
 ) -> None:
@@ -168,6 +170,7 @@ def test_file_vault_commands_do_not_import_the_postgres_driver(
 
 
 @pytest.mark.parametrize("args", [["--help"], ["status"], ["key", "list"]])
+@pytest.mark.sweep
 def test_commands_do_not_import_the_transit_client(
     vault: Any, vault_db: Path, args: list[str]
 ) -> None:

@@ -252,6 +252,7 @@ def make_entry(kind: str, dest: Path, target: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["file", "symlink", "dangling symlink", "fifo", "folder"])
+@pytest.mark.sweep
 def test_an_existing_destination_is_refused_and_left_untouched(
     vault: Vault, vault_db: Path, tmp_path: Path, kind: str
 ) -> None:

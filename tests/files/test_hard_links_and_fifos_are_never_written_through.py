@@ -19,6 +19,7 @@ import pytest
 
 
 @pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
+@pytest.mark.sweep
 def test_shred_resumed_after_interruption_leaves_hard_linked_files_intact(
     cli: Any, vault_db: Path, suffix: str
 ) -> None:

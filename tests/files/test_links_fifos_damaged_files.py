@@ -59,6 +59,7 @@ def checkpoint(db: Path) -> None:
 # Side files that are links
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("side", SIDES)
+@pytest.mark.sweep
 def test_link_planted_after_an_interrupted_shred_is_removed_not_followed(
     vault: Any, vault_db: Path, tmp_path: Path, side: str
 ) -> None:
@@ -78,6 +79,7 @@ def test_link_planted_after_an_interrupted_shred_is_removed_not_followed(
 
 
 @pytest.mark.parametrize("side", SIDES)
+@pytest.mark.sweep
 def test_link_beside_a_healthy_vault_is_never_written_through(
     vault: Any, vault_db: Path, tmp_path: Path, side: str
 ) -> None:
@@ -152,6 +154,7 @@ def _special(tmp_path: Path, what: str) -> tuple[Path, Any]:
 @pytest.mark.parametrize(
     "args", [["status"], ["show", "s"], ["shred", "--yes"], ["sessions"], ["init"]]
 )
+@pytest.mark.sweep
 def test_fifo_device_or_socket_is_not_a_vault(tmp_path: Path, what: str, args: list[str]) -> None:
     path, keep = _special(tmp_path, what)
     try:
@@ -166,6 +169,7 @@ def test_fifo_device_or_socket_is_not_a_vault(tmp_path: Path, what: str, args: l
 
 @pytest.mark.parametrize("what", ["FIFO", "device"])
 @pytest.mark.parametrize("side", SIDES)
+@pytest.mark.sweep
 def test_fifo_or_device_at_a_side_file_is_refused_then_unlinked_by_shred(
     vault: Any, vault_db: Path, side: str, what: str
 ) -> None:

@@ -131,6 +131,7 @@ def test_no_command_writes_where_the_vaults_next_open_would_delete_it(
         (["shred", "--yes", "--receipt"], ".memvault-write-x"),
     ],
 )
+@pytest.mark.sweep
 def test_no_command_writes_a_file_named_as_memvaults_temporary_files(
     filled: Path, tmp_path: Path, args: list[str], name: str
 ) -> None:
@@ -143,6 +144,7 @@ def test_no_command_writes_a_file_named_as_memvaults_temporary_files(
 
 
 @pytest.mark.parametrize("side", ["-journal", "-wal", "-shm"])
+@pytest.mark.sweep
 def test_init_never_makes_a_vault_at_a_side_file_name_of_a_database(
     filled: Path, side: str
 ) -> None:

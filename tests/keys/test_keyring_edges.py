@@ -385,6 +385,7 @@ def test_a_backend_that_never_answers_is_given_up_on(
 
 
 @pytest.mark.parametrize("value", ["abc", "inf", "nan", "-5", "0", "1e308", "10s"])
+@pytest.mark.sweep
 def test_a_bad_keyring_timeout_is_a_usage_error(filled: Path, value: str) -> None:
     one_line(
         run("sessions", set_env={"MEMVAULT_KEYRING_TIMEOUT": value}),

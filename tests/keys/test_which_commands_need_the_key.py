@@ -114,6 +114,7 @@ def test_sessions_refuses_a_revoked_vault_by_its_mark(
 @pytest.mark.parametrize(
     "args", [["--help"], ["--version"], ["log"], ["completion", "bash"], ["sessions"]]
 )
+@pytest.mark.sweep
 def test_the_commands_that_need_no_key_neither_call_nor_load_the_keyring(
     args: list[str], vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -1,7 +1,7 @@
 """`scripts/test` runs the fast tier; `scripts/test --all` runs every test, each once.
 
-The tiers are pytest's marks: the fast tier leaves out `slow`, `crash`, `postgres` and
-`openbao`;
+The tiers are pytest's marks: the fast tier leaves out `slow`, `crash`, `postgres`,
+`openbao` and a sweep's `later_case`s;
 --all runs the rest in parallel and then the slow tests and kill campaigns one at a
 time. Checked with --collect-only against pytest's own collection of the same marks.
 """
@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.scripts.test_fast_tier_covers_every_command_and_module import FAST
 
 pytestmark = pytest.mark.slow  # each run starts private keyrings and collects everything
 
@@ -50,12 +51,10 @@ def pytest_collects(marks: str | None) -> list[str]:
 
 def test_scripts_test_runs_the_fast_tier_only() -> None:
     fast = collected()
-    assert sorted(fast) == sorted(
-        pytest_collects("not slow and not crash and not postgres and not openbao")
-    )
+    assert sorted(fast) == sorted(pytest_collects(FAST))
     # Spelt as the fast tier's complement: `-m "... or postgres"` without a server is
     # refused (conftest), and no server is needed to collect.
-    left_out = pytest_collects("not (not slow and not crash and not postgres and not openbao)")
+    left_out = pytest_collects(f"not ({FAST})")
     assert left_out and not set(left_out) & set(fast)
     assert sorted(fast + left_out) == sorted(pytest_collects(None))
 
