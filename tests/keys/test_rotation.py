@@ -554,6 +554,7 @@ def test_control_purge_and_clear_without_scrub_leave_residue(
         assert residue(vault_db, doomed) == []
 
 
+@pytest.mark.slow  # a child holds the lock for seconds: timed
 def test_blocked_scrub_is_reported_and_finished_by_next_open(vault: Vault, vault_db: Path) -> None:
     expected = populate(vault_db)
     old_tokens = tokens(vault_db)
@@ -590,6 +591,7 @@ WRITER_HOLDING_LOCK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a child holds the lock for seconds: timed
 def test_a_writer_holding_the_lock_past_the_scrubs_wait_delays_the_scrub_only(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -635,6 +637,7 @@ CHECKPOINTER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a child holds the lock for seconds: timed
 def test_another_connections_checkpoint_delays_the_scrub_only(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -671,6 +674,7 @@ def test_another_connections_checkpoint_delays_the_scrub_only(
         assert residue(vault_db, old_tokens) == []
 
 
+@pytest.mark.slow  # a child holds the lock for seconds: timed
 def test_blocked_scrub_cli_rotate_exits_5_and_next_rotate_finishes(
     vault: Vault, vault_db: Path
 ) -> None:
