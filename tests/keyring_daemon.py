@@ -17,16 +17,23 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+# pytest's base of its own outcomes (fail, skip, exit): not public API, but what its
+# runner and its fixtures treat as a test's outcome rather than an interrupt.
+from _pytest.outcomes import OutcomeException
+
 SERVICE = "org.freedesktop.secrets"
 _daemon: dict[str, Any] = {}
 
 
-class KeyringDaemonDied(BaseException):  # noqa: N818  it is no error of the code under test
+class KeyringDaemonDied(OutcomeException):  # noqa: N818  it is no error of the code under test
     """A keyring call failed because the daemon died under it.
 
-    A BaseException, as KeyboardInterrupt is: memvault's error handling does not turn it
-    into a keyring error, and Hypothesis does not catch it to replay the example against
-    the restarted daemon (where it would pass, and be reported as flaky)."""
+    Not an Exception, as KeyboardInterrupt is not: memvault's error handling does not turn
+    it into a keyring error, and Hypothesis does not catch it to replay the example against
+    the restarted daemon (where it would pass, and be reported as flaky). A pytest outcome,
+    as `pytest.fail`'s is: raised in a fixture's set-up, pytest records that fixture as
+    failed for this test alone. A bare BaseException left the fixture half set up, and
+    every later test that used it errored ("assert not self._finalizers")."""
 
 
 def daemon_pid(bus: str, start: bool = False) -> int | None:
