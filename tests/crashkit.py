@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WAL_HEADER = 32
@@ -85,7 +85,7 @@ def start_writer(
     assert proc.stdout is not None
     if not wait:
         return proc
-    line = _first_line(proc.stdout.fileno())
+    line = first_line(proc.stdout)
     if line.strip() != "ready":
         proc.kill()
         _, err = proc.communicate()
@@ -93,13 +93,13 @@ def start_writer(
     return proc
 
 
-def _first_line(fd: int) -> str:
-    """One line read straight from the pipe, a byte at a time: a buffered readline would
-    swallow the acks written right after it, and `communicate` (which reads the pipe
-    itself) would never see them."""
+def first_line(stream: IO[str]) -> str:
+    """A child's first line, read straight from its pipe a byte at a time. A buffered
+    readline would swallow the lines written right after it, and `communicate` (which
+    reads the pipe itself) would never see them."""
     line = b""
     while not line.endswith(b"\n"):
-        byte = os.read(fd, 1)
+        byte = os.read(stream.fileno(), 1)
         if not byte:
             break
         line += byte

@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import authenticated_counts, keyring_entries, raw_bytes, run_cli
-from tests.crashkit import put_back, start_writer, writer_items
+from tests.crashkit import first_line, put_back, start_writer, writer_items
 from vault import crypto
 from vault.engines.sqlite.vault import Vault, shred
 from vault.keyjournal import entry_name
@@ -300,7 +300,7 @@ def start_rotator(db: Path, script: str = ROTATOR) -> subprocess.Popen[str]:
         env={k: v for k, v in os.environ.items() if k != "MEMVAULT_FAILPOINT"},
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline()
+    line = first_line(proc.stdout)
     if line.strip() != "ready":
         proc.kill()
         _, err = proc.communicate()

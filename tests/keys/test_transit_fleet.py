@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import baoserver, pgserver
+from tests.crashkit import first_line
 from tests.keys.test_transit_vaults import cli_at, host_env, init_transit
 from tests.postgres.test_postgres_hosts import prefill
 
@@ -70,7 +71,7 @@ def test_host_a_rotates_while_b_and_c_write_and_every_host_reads_everything(
     try:
         for h, proc in writers.items():
             assert proc.stdout is not None
-            line = proc.stdout.readline()
+            line = first_line(proc.stdout)
             assert line.strip() == "ready", (h, line, proc.stderr.read() if proc.stderr else "")
         began = time.time()
         rotated = cli_at(pg_url, hosts["A"], "--json", "rotate")
