@@ -15,6 +15,9 @@ replying", then Hypothesis's FlakyFailure or FlakyStrategyDefinition). So:
 from __future__ import annotations
 
 import functools
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 # pytest's base of its own outcomes (fail, skip, exit): not public API, but what its
@@ -62,7 +65,8 @@ def watch(bus: str) -> None:
     process raise KeyringDaemonDied when they fail because it died."""
     from keyring.backends.SecretService import Keyring
 
-    _daemon.update(bus=bus, pid=daemon_pid(bus))
+    exits = Path(os.environ.get("XDG_RUNTIME_DIR", "/nonexistent")) / "keyring-exit"
+    _daemon.update(bus=bus, pid=daemon_pid(bus), exits=exits, told=len(_ends(exits)))
     for name in ("get_password", "set_password", "delete_password", "get_credential"):
         setattr(Keyring, name, _checked(getattr(Keyring, name)))
 
@@ -92,8 +96,29 @@ def death_of_the_daemon() -> str | None:
     after = f"PID {now} serves it now (restarted by D-Bus)" if now else "nothing serves it now"
     return (
         f"the private keyring's daemon (gnome-keyring-daemon, PID {_daemon['pid']}) died "
-        f"during this test; {after}. What the test reported below is its consequence."
+        f"during this test{how_it_ended()}; {after}. What the test reported below is its "
+        "consequence."
     )
+
+
+def _ends(exits: Path) -> list[str]:
+    try:
+        return exits.read_text().split()
+    except OSError:
+        return []
+
+
+def how_it_ended() -> str:
+    """How the daemon ended, from the exit statuses scripts/with-keyring's watcher appends
+    (128+N: killed by signal N); empty when none was recorded since the last report."""
+    ends = _ends(_daemon["exits"])[_daemon["told"] :]
+    if not ends:
+        return ""
+    _daemon["told"] += len(ends)
+    status = int(ends[-1])
+    if status > 128 and status - 128 in signal.valid_signals():
+        return f" (killed by {signal.Signals(status - 128).name})"
+    return f" (it exited with status {status})"
 
 
 def blamed() -> None:
