@@ -3,6 +3,9 @@ server) a transit vault: what it says becomes of the backups that used KID is tr
 
 from __future__ import annotations
 
+import json
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,17 @@ def test_key_forget_says_which_backups_become_unreadable(
     forgot = ok(cli_at(db, op, "--json", "key", "list"))["keys"]
     assert {v["kid"]: v["state"] for v in forgot}[old] == "destroyed"
     read = cli_at(backup, op, "--json", "show", "s1")
+    with closing(sqlite3.connect(db)) as conn:
+        [(details,)] = conn.execute(
+            "SELECT details FROM memvault_audit WHERE event = 'key-forget'"
+        ).fetchall()
+    # The audit trail says what the command said: unreadable, or only no longer recorded.
+    fate = "unreadable" if source == "keyring" else "no_longer_recorded"
+    assert json.loads(details) == {
+        "unreadable": [],
+        "no_longer_recorded": [],
+        fate: [backup],
+    }
     if source == "keyring":
         assert "makes these backups unreadable here" in said.stderr
         assert f"now unreadable here: {backup}" in said.stdout

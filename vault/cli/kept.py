@@ -102,9 +102,9 @@ def key_forget(kid: str, yes: bool) -> None:
     lost = [
         b for v in vault.key_versions() if v.kid == kid and v.state == "retained" for b in v.backups
     ]
-    from vault.keysource.store import SOURCE  # see forgotten(): what a transit vault keeps
+    from vault.keysource.store import is_transit  # see forgotten(): what a transit vault keeps
 
-    transit = SOURCE in vault.meta()
+    transit = is_transit(vault.meta())
     if lost:
         fate = (
             "drops the records of these backups (each keeps its own wrapped copy of the "

@@ -56,17 +56,28 @@ def same_source(a: dict[str, str], b: dict[str, str]) -> bool:
     return all(a.get(k) == b.get(k) for k in (SOURCE, MOUNT))
 
 
+def is_transit(meta: dict[str, str]) -> bool:
+    """Whether the vault's keys are wrapped by a transit key (a keyring vault has no
+    source recorded)."""
+    return meta.get(SOURCE, KEYRING) != KEYRING
+
+
 def forgotten(meta: dict[str, str], kid: str, lost: list[Any]) -> dict[str, Any]:
     """`key forget`'s result. A transit vault's backups each keep their own wrapped copy
     of the version, which the transit key still unwraps: forgetting drops only their
     records (`no_longer_recorded`), where a keyring vault's become `unreadable`."""
-    transit = SOURCE in meta
+    transit = is_transit(meta)
     return {
         "vault_id": meta["vault_id"],
         "kid": kid,
         "unreadable": [] if transit else lost,
         "no_longer_recorded": lost if transit else [],
     }
+
+
+def forgotten_paths(result: dict[str, Any]) -> dict[str, list[str]]:
+    """What `key forget`'s audit entry keeps of its result: the backups' paths."""
+    return {k: [b["path"] for b in result[k]] for k in ("unreadable", "no_longer_recorded")}
 
 
 def wrapped_row(kid: str) -> str:

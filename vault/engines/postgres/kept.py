@@ -16,7 +16,7 @@ from vault.engines.postgres.schema import audit, current_schema, record_key
 from vault.errors import BadInput
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED, entry_name
 from vault.keyload import refuse_revoked
-from vault.keysource.store import forgotten
+from vault.keysource.store import forgotten, forgotten_paths
 
 RECORDS = "SELECT backup_id, path, kid, created_at FROM memvault_backups ORDER BY seq"
 
@@ -106,11 +106,12 @@ def forget(vault: PgVaultBase, kid: str) -> dict[str, Any]:
                     )
                 ks.delete(entry_name(meta["vault_id"], kid))
                 testhooks.failpoint("forget-after-delete")
+                result = forgotten(meta, kid, lost)
                 async with conn.transaction():
                     await record_key(conn, kid, DESTROYED)
                     await conn.execute("DELETE FROM memvault_backups WHERE kid = $1", kid)
-                    await audit(conn, "key-forget", kid, unreadable=[b["path"] for b in lost])
-                return forgotten(meta, kid, lost)
+                    await audit(conn, "key-forget", kid, **forgotten_paths(result))
+                return result
         finally:
             await conn.close()
 

@@ -51,6 +51,7 @@ from vault.keysource.store import (
     MOUNT,
     SOURCE,
     WRAPPED,
+    is_transit,
     same_source,
     source_of,
 )
@@ -91,7 +92,7 @@ def _refuse_keyless(
     if WRAPPED + kid in live:
         return
     same = same_source(backup, live)
-    if SOURCE in live:
+    if is_transit(live):
         if same and WRAPPED + kid in backup:
             return  # _carry_wrapped takes the backup's copy along
     elif vault.keystore.get(entry_name(live["vault_id"], kid)) is not None:
@@ -190,7 +191,7 @@ async def _carry_wrapped(conn: Any, live: dict[str, str], backup: dict[str, str]
     the wrapped rows as `live` read them."""
     row = WRAPPED + kid
     same = same_source(backup, live)
-    if SOURCE in live and row not in live and same and row in backup:
+    if is_transit(live) and row not in live and same and row in backup:
         insert = "INSERT INTO memvault_meta (key, value) VALUES ($1, $2)"
         await conn.execute(insert, row, backup[row])
 

@@ -15,7 +15,7 @@ from vault.engines.sqlite.db import VaultFile, audit, read_meta
 from vault.errors import BadInput
 from vault.keyjournal import DESTROYED, RETAINED, entry_name
 from vault.keyload import refuse_revoked
-from vault.keysource.store import forgotten
+from vault.keysource.store import forgotten, forgotten_paths
 from vault.results import KeyVersionInfo
 
 
@@ -72,11 +72,12 @@ class KeptVersions(VaultFile):
         lost = [b for b in self.backups() if b["kid"] == kid]
         ks.delete(entry_name(meta["vault_id"], kid))
         testhooks.failpoint("forget-after-delete")
+        result = forgotten(meta, kid, lost)
         with self.write_transaction() as conn:
             keyjournal.record(conn, kid, DESTROYED)
             retention.drop_kid(conn, kid)
-            audit(conn, "key-forget", kid, unreadable=[b["path"] for b in lost])
-        return forgotten(meta, kid, lost)
+            audit(conn, "key-forget", kid, **forgotten_paths(result))
+        return result
 
 
 def with_backups(

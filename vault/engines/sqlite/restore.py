@@ -56,7 +56,7 @@ from vault.engines.sqlite.restorestate import (
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
-from vault.keysource.store import SOURCE, WRAPPED, same_source
+from vault.keysource.store import WRAPPED, is_transit, same_source
 from vault.verify import verify
 
 # Why a revoked vault takes no backup back (both engines): its backups' keys were destroyed
@@ -335,7 +335,7 @@ def _carry_wrapped(conn: sqlite3.Connection, replaced: dict[str, str]) -> None:
     both use the same transit key: as a keyring vault's versions stay in the keyring,
     the restored vault then holds every version it names (and a kit carries them)."""
     restored = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
-    if SOURCE not in restored or not same_source(restored, replaced):
+    if not is_transit(restored) or not same_source(restored, replaced):
         return
     conn.executemany(
         "INSERT INTO memvault_meta (key, value) VALUES (?, ?)",
