@@ -74,9 +74,9 @@ def test_probe_a_secret_service_test() -> None:
 
 # -- The modes -------------------------------------------------------------------
 def test_memvault_accepts_the_test_backend_as_it_is() -> None:
-    from vault.keys import _refusal
+    from vault.keybackend import refusal
 
-    assert _refusal(memory_keyring.Keyring()) is None
+    assert refusal(memory_keyring.Keyring()) is None
 
 
 def test_the_test_keyring_file_keeps_a_key_across_processes(tmp_path: Path) -> None:

@@ -134,12 +134,12 @@ def error_line(r: CLIResult) -> str:
 
 
 def test_the_page_shows_the_script_and_the_keyring_error_points_to_it() -> None:
-    from vault import keys
+    from vault import keybackend
 
     assert recipe_from_page() == SCRIPT.read_text()
     assert os.access(SCRIPT, os.X_OK)
     assert f"\n## {SECTION}\n" in PAGE.read_text()
-    assert "docs/headless.md" in keys._SECRET_SERVICE_FIX
+    assert "docs/headless.md" in keybackend.SECRET_SERVICE_FIX
 
 
 @pytest.mark.slow
