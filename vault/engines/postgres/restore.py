@@ -98,7 +98,7 @@ def _refuse_keyless(
     elif vault.keystore.get(entry_name(live["vault_id"], kid)) is not None:
         return
     back = backup.get(SOURCE, KEYRING)
-    if back != KEYRING and backup.get(MOUNT, DEFAULT_MOUNT) != DEFAULT_MOUNT:
+    if is_transit(backup) and backup.get(MOUNT, DEFAULT_MOUNT) != DEFAULT_MOUNT:
         back += f" --transit-mount {backup[MOUNT]}"
     raise KeyProblem(
         f"the backup {src} uses key {kid}, which the vault's key source "
