@@ -229,6 +229,46 @@ def test_a_pooled_connection_the_server_ended_is_replaced_and_the_operation_goes
     assert len(opened) == 2
 
 
+def test_a_write_whose_connection_drops_at_its_commit_is_reported_not_written_twice(
+    pg_vault: Any, pg_url: str, opened: list[int]
+) -> None:
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    import vault
+    from vault.errors import VaultError
+
+    session = vault.open_session("s1", pg_url)
+    asyncio.run(session.add_items([user("before")]))
+
+    left: list[set[int]] = []
+
+    def end_at_commit(connection: Any) -> None:
+        # The server ends the backend after the write's INSERT, before its COMMIT arrives:
+        # whether a COMMIT lost in flight took effect is unknown to the client, so a
+        # second write could store the turn twice.
+        if left:
+            return  # the first COMMIT only: a second attempt would be let through
+        pid = connection.connection.driver_connection.get_server_pid()
+
+        def end() -> None:  # its own thread: sql() runs a loop, and this one is running
+            sql(pg_url, f"SELECT pg_terminate_backend({pid})")
+            left.append(all_gone(pg_url, [pid]))
+
+        killer = threading.Thread(target=end)
+        killer.start()
+        killer.join()
+        assert left == [set()]
+
+    event.listen(Engine, "commit", end_at_commit)
+    try:
+        with pytest.raises(VaultError):
+            asyncio.run(session.add_items([user("cut at its commit")]))
+    finally:
+        event.remove(Engine, "commit", end_at_commit)
+    assert texts(asyncio.run(session.get_items())) == ["before"]
+
+
 def test_a_loop_closed_without_its_shutdown_leaves_no_connection_once_another_loop_runs(
     pg_vault: Any, pg_url: str, opened: list[int]
 ) -> None:

@@ -9,11 +9,17 @@ asyncio.Runner) does before closing the loop. A loop closed without that step le
 pool's connections to the garbage collector (once another loop opens a pool), which
 closes their sockets; the server then ends them.
 
-Every checkout first reads the vault's kid and TTL on the connection it hands out (one
+A read's checkout first reads the vault's kid and TTL on the connection it hands out (one
 statement, in the transaction the operation then runs in), so a `memvault ttl`, `rotate`
-or `revoke` run on any host reaches a session's next operation, as it did when every
+or `revoke` run on any host reaches a session's next read, as it did when every
 operation opened a connection. That read also finds a pooled connection the server has
-dropped (a restart, pg_terminate_backend): the pool replaces it and the operation goes on.
+dropped (a restart, pg_terminate_backend): the pool replaces it and the read goes on.
+
+A write (`writing()`) skips that statement: the guard trigger reads the kid in the
+write's own transaction and refuses a retired or revoked one, and a write uses no TTL.
+A pooled connection the server dropped then fails the write's first statement instead;
+`writing()` records whether the write had reached its COMMIT, so the session retries it
+on a new connection only when nothing can have been stored.
 
 Only vault.engines.postgres.session imports this module (it imports `sqlalchemy`).
 """
@@ -24,7 +30,9 @@ import asyncio
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import event
@@ -45,6 +53,29 @@ META_SQL = "SELECT key, value FROM memvault_meta WHERE key IN ('ttl_seconds', 'k
 POOL_SIZE = 5
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+@dataclass
+class Write:
+    """One write attempt's state, as its connection's events record it."""
+
+    committing: bool = False  # the COMMIT was sent: whether it took effect is unknown
+
+
+# Set for a write's attempt on its task; SQLAlchemy's greenlets run the pool's events in
+# a copy of the task's context, so the events see it.
+_write: ContextVar[Write | None] = ContextVar("memvault_write", default=None)
+
+
+@contextlib.contextmanager
+def writing() -> Iterator[Write]:
+    """Run one write attempt: its checkout reads no meta, and its COMMIT is recorded."""
+    attempt = Write()
+    token = _write.set(attempt)
+    try:
+        yield attempt
+    finally:
+        _write.reset(token)
 
 
 class _LoopPools:
@@ -130,6 +161,8 @@ def _pooled_engine(url: str, settings: dict[str, str]) -> AsyncEngine:
 
     def read_meta(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
         record.info[META] = None
+        if _write.get() is not None:
+            return  # the guard checks the kid in the write's own transaction
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(META_SQL)
@@ -144,7 +177,13 @@ def _pooled_engine(url: str, settings: dict[str, str]) -> AsyncEngine:
         finally:
             cursor.close()
 
+    def mark_commit(_connection: Any) -> None:
+        attempt = _write.get()
+        if attempt is not None:
+            attempt.committing = True
+
     event.listen(engine.sync_engine.pool, "checkout", read_meta)
+    event.listen(engine.sync_engine, "commit", mark_commit)
     return engine
 
 

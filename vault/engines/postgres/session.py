@@ -123,10 +123,10 @@ class PgVaultSession(VaultSession):
         sealer = vault.sealer()
         self._vault = vault  # type: ignore[assignment]  # the same duck type as Vault
         self._db_path = vault.path  # type: ignore[assignment]  # the redacted URL
-        # Every operation's connection, pooled or new, first reads the TTL and the kid
-        # (vault.engines.postgres.pool), so a `memvault ttl`, `rotate` or `revoke` run on
-        # any host applies at this session's next operation, as a SQLite session sees it
-        # through data_version.
+        # Every read's connection, pooled or new, first reads the TTL and the kid, and a
+        # write's guard reads the kid in its own transaction (vault.engines.postgres.pool),
+        # so a `memvault ttl`, `rotate` or `revoke` run on any host applies at this
+        # session's next operation, as a SQLite session sees it through data_version.
         self._meta_kid: str | None = None
         underlying = VaultSQLAlchemySession(
             session_id,
@@ -183,10 +183,12 @@ class PgVaultSession(VaultSession):
 
     async def add_items(self, items: list[Any], *, wrapper: Any = None) -> None:
         deadline = time.monotonic() + lock_timeout()
+        redone = False
         while True:
             sealed_with = self._kid
             try:
-                await EncryptedSession.add_items(self, items, wrapper=wrapper)
+                with pool.writing() as attempt:
+                    await EncryptedSession.add_items(self, items, wrapper=wrapper)
                 return
             except IntegrityError as exc:
                 # The guard refused our kid: another process rotated. Reload the key from
@@ -197,6 +199,13 @@ class PgVaultSession(VaultSession):
                 if self._kid == sealed_with:
                     raise self._translate(exc) from None
             except DBAPIError as exc:
+                # A pooled connection the server had ended (a restart, an operator's
+                # pg_terminate_backend) fails the write's first statement, and the pool
+                # drops it. Nothing was stored unless the COMMIT had been sent: write
+                # once more, on a new connection.
+                if exc.connection_invalidated and not attempt.committing and not redone:
+                    redone = True
+                    continue
                 err = self._translate(exc)
                 if err.exit_code == 5 and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
