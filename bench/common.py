@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -107,27 +108,29 @@ def side_by_side(
 ) -> dict[str, list[float]]:
     """Seconds per call of each case, interleaved call by call.
 
-    Each repetition is `inner` rounds; a round calls every case once, the order
-    rotating from round to round, and each call is timed on its own. A burst of
+    Each repetition is `inner` rounds; a round calls every case once, in an order
+    drawn afresh for each round, and each call is timed on its own. A burst of
     load from elsewhere on the machine so lands on all the cases of a round
-    rather than on one case's whole sample. A sample is the mean call time over
-    one repetition; the figures are medians of these samples.
+    rather than on one case's whole sample, and what a call leaves running after
+    it returns (a closed connection's server process ending) lands on each case
+    equally often: rotating one order kept every case's predecessor fixed, so the
+    case after a NullPool session always paid for its connection's teardown. A
+    sample is the mean call time over one repetition; the figures are medians of
+    these samples.
     """
     names = list(cases)
+    order = random.Random(len(names) * 1000 + reps)  # the same orders in every run
     for _ in range(warmup):
         for n in names:
             cases[n]()
     samples: dict[str, list[float]] = {n: [] for n in names}
-    k = 0
     for _ in range(reps):
         total = dict.fromkeys(names, 0.0)
         gc.collect()
         gc.disable()
         try:
             for _ in range(inner):
-                k += 1
-                j = k % len(names)
-                for n in names[j:] + names[:j]:
+                for n in order.sample(names, len(names)):
                     fn = cases[n]
                     t0 = time.perf_counter()
                     fn()

@@ -3,7 +3,7 @@
     scripts/with-keyring .venv/bin/python bench/run.py [--quick] [--json-out PATH]
 
 Every figure is measured in one run, on the same data, with the alternatives
-interleaved call by call (the order rotating from round to round). Times are
+interleaved call by call (in an order drawn afresh for each round). Times are
 medians of several repetitions; a ratio is the median of the per-repetition
 ratios. Absolute times on a shared machine are noisy; the ratios are what
 count. See bench/README.md for what each figure means.
