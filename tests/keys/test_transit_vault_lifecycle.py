@@ -6,6 +6,7 @@ says the operator must); shred takes the wrapped keys with the rows."""
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,21 @@ def test_init_says_the_key_is_wrapped_in_the_vault_by_the_transit_key(
     assert "losing the transit key loses the history" in made.stdout
     st = cli_at(str(vault_db), operator_env(tmp_path), "status")
     assert f"key source transit:{key} (mount transit)" in st.stdout
+
+
+def test_init_killed_after_making_its_transit_key_leaves_it_to_the_next_init(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    env = {**operator_env(tmp_path), "MEMVAULT_FAILPOINT": "init-key-stored"}
+    killed = cli_at(db, env, "init", "--key-source", f"transit:{key}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not vault_db.exists()
+    # A killed process deletes nothing: the key it made stays, unused by any vault.
+    assert key_exists(key)
+    made, b = transit_vault(db, key, tmp_path, "after the kill")
+    assert made["key_source"] == f"transit:{key} (mount transit)"
+    assert admin_transit(key).versions() == (1, 1)  # the same key, not a second version
+    # The killed init's temporary file is reclaimed by the second init.
+    assert sorted(p.name for p in vault_db.parent.iterdir()) == [vault_db.name]
+    assert shown(db, b) == ["after the kill"]
