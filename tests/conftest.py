@@ -224,6 +224,16 @@ def guide_step(name: str, db: str | Path) -> dict[str, Any]:
 
 
 @pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A folder of the test's own straight under /tmp, for a TMPDIR the keyring scripts
+    keep their folders in (under a deeper one they use /tmp, where a test cannot tell
+    theirs from another run's); removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="mvt-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def cli() -> Any:
     return run_cli
 

@@ -229,15 +229,14 @@ def test_every_command_that_can_ask_takes_yes(vault: Any) -> None:
 
 @pytest.mark.secret_service
 def test_headless_shows_the_commands_stderr_and_not_the_bus_chatter(
-    tmp_path: Path,
+    tmp_path: Path, short_tmp: Path
 ) -> None:
     # As root (this suite's usual machine), dbus-daemon cannot raise its fd limit and
     # said so on every run.
     from tests.scripts.test_headless import PASSPHRASE, SCRIPT
 
-    home, scratch, passfile = tmp_path / "home", tmp_path / "tmp", tmp_path / "pass"
+    home, scratch, passfile = tmp_path / "home", short_tmp, tmp_path / "pass"
     home.mkdir(mode=0o700)
-    scratch.mkdir()
     passfile.write_text(PASSPHRASE)
     passfile.chmod(0o600)
     env = {

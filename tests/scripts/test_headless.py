@@ -57,13 +57,17 @@ def home(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def headless(tmp_path: Path, home: Path) -> Headless:
+def scratch(short_tmp: Path) -> Path:
+    """The runs' TMPDIR, where each keeps its runtime folder while it runs."""
+    return short_tmp
+
+
+@pytest.fixture
+def headless(tmp_path: Path, home: Path, scratch: Path) -> Headless:
     """Run the page's script with HOME=`home`, as a user on a server would."""
     script = tmp_path / "memvault-headless"
     script.write_text(recipe_from_page())
     script.chmod(0o755)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
 
     def run(*args: str, passfile: Path | None = None, credentials: Path | None = None) -> CLIResult:
         # No D-Bus session, no keyring variables, no MEMVAULT_DB: the vault goes to
@@ -144,7 +148,7 @@ def test_the_page_shows_the_script_and_the_keyring_error_points_to_it() -> None:
 
 @pytest.mark.slow
 def test_the_key_persists_across_sessions_under_the_same_passphrase(
-    headless: Headless, home: Path, passfile: Path, tmp_path: Path
+    headless: Headless, home: Path, passfile: Path, tmp_path: Path, scratch: Path
 ) -> None:
     r = headless("init", passfile=passfile)
     assert r.code == 0 and "created vault" in r.out, r
@@ -162,11 +166,11 @@ def test_the_key_persists_across_sessions_under_the_same_passphrase(
     shutil.copy(passfile, credentials / "memvault-keyring")
     r = headless("show", "agent", credentials=credentials)
     assert r.code == 0 and "hello from the agent" in r.out, r
-    assert_nothing_left_running(home, tmp_path / "tmp")
+    assert_nothing_left_running(home, scratch)
 
 
 def test_a_wrong_passphrase_is_exit_4_and_changes_nothing(
-    headless: Headless, home: Path, passfile: Path, tmp_path: Path
+    headless: Headless, home: Path, passfile: Path, tmp_path: Path, scratch: Path
 ) -> None:
     assert headless("init", passfile=passfile).code == 0
     keyring_file = home / ".local/share/keyrings/login.keyring"
@@ -181,7 +185,7 @@ def test_a_wrong_passphrase_is_exit_4_and_changes_nothing(
     assert keyring_file.read_bytes() == before
     r = headless("sessions", passfile=passfile)
     assert r.code == 0 and "no sessions" in r.out, r
-    assert_nothing_left_running(home, tmp_path / "tmp")
+    assert_nothing_left_running(home, scratch)
 
 
 def test_a_missing_or_empty_passphrase_file_is_exit_4_before_any_keyring(
@@ -199,7 +203,7 @@ def test_a_missing_or_empty_passphrase_file_is_exit_4_before_any_keyring(
 
 @pytest.mark.slow
 def test_an_agent_under_one_run_needs_a_new_run_after_a_rotation_made_under_another(
-    headless: Headless, home: Path, passfile: Path, tmp_path: Path
+    headless: Headless, home: Path, passfile: Path, tmp_path: Path, scratch: Path
 ) -> None:
     """Runs may overlap, each with its own daemon over the same keyring file, but a
     daemon does not show an entry another daemon added while it runs: after a `rotate`
@@ -244,4 +248,4 @@ print([i["content"] for i in asyncio.run(s.get_items())])
     again = agent.replace("while not", "if not").replace("time.sleep(0.05)", "pass")
     r = headless("--", sys.executable, "-c", again, passfile=passfile)
     assert r.code == 0 and r.out.strip() == "['before', 'before', 'after']", r
-    assert_nothing_left_running(home, tmp_path / "tmp")
+    assert_nothing_left_running(home, scratch)

@@ -53,15 +53,15 @@ def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stopped_with_keyring_removes_its_folder_and_ends_its_daemons(
-    tmp_path: Path, sig: signal.Signals
+    short_tmp: Path, sig: signal.Signals
 ) -> None:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("MEMVAULT_IN_PRIVATE_KEYRING", "DBUS_SESSION_BUS_ADDRESS")
     }
-    env["TMPDIR"] = str(tmp_path)
-    started = tmp_path / "started"
+    env["TMPDIR"] = str(short_tmp)
+    started = short_tmp / "started"
     proc = subprocess.Popen(
         [str(SCRIPT), "sh", "-c", f'touch "{started}"; exec sleep 300'],
         env=env,
@@ -73,7 +73,7 @@ def test_a_stopped_with_keyring_removes_its_folder_and_ends_its_daemons(
     scratch: Path | None = None
     try:
         assert wait_for(started.exists, 60), "the command never started"
-        (scratch,) = tmp_path.glob("memvault-keyring.*")
+        (scratch,) = short_tmp.glob("memvault-keyring.*")
         assert (scratch / "run" / "keyring-password").exists()
         assert len(processes_using(scratch)) >= 3  # the command and two daemons, at least
         os.kill(proc.pid, sig)
