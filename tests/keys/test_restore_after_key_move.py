@@ -13,7 +13,8 @@ import pytest
 from tests import baoserver
 from tests.keys.test_key_move import WHERE, keyring_write
 from tests.keys.test_transit_vault_failures import closed_port_addr, one_line_exit_4, snapshot
-from tests.keys.test_transit_vault_lifecycle import a_host, meta_rows, ok, shown
+from tests.keys.test_transit_vault_lifecycle import a_host, meta_rows, ok, shown, wrapped_kids
+from tests.keys.test_transit_vault_restore import PW
 from tests.keys.test_transit_vaults import ON_POSTGRES, cli_at, operator_env
 
 pytestmark = baoserver.MARKS
@@ -86,3 +87,42 @@ def test_a_postgres_restore_whose_key_the_moved_vault_lacks_is_refused(
     assert ok(cli_at(db, op, "--json", "restore", "--yes", backup))["kid"] == old
     assert shown(db, op) == ["before"]
     assert ok(cli_at(db, op, "--json", "verify"))["ok"] is True
+
+
+def test_a_keyring_era_backup_restored_after_a_move_names_the_versions_only_the_service_held(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """A file vault moved to transit and rotated there, a backup taken under the new
+    version, then a backup from its keyring days restored: the file is the backup's,
+    under the keyring again. The later backup keeps the transit-era version retained,
+    but only the replaced file and that backup held it (wrapped): `key list` says that
+    no place of this vault holds it, and `key export` names it as missing rather than
+    failing or writing a kit that pretends to be whole. The later backup still opens
+    through the service."""
+    db = str(vault_db)
+    op = a_vault(db, "keyring", tmp_path)
+    backup = str(tmp_path / "backup.db")
+    ok(cli_at(db, op, "backup", backup))
+    ok(cli_at(db, op, "--json", "key", "move", f"transit:{key}"))
+    rotated = ok(cli_at(db, op, "--json", "rotate"))
+    transit_only = rotated["new_kid"]
+    assert keyring_write(db, op, "s1", "after") == ["before", "after"]
+    later = str(tmp_path / "later.db")
+    ok(cli_at(db, op, "backup", later))
+    restored = ok(cli_at(db, op, "--json", "restore", "--yes", backup))
+    assert restored["kid"] == rotated["old_kid"]
+    assert meta_rows(db).get("key_source", "keyring") == "keyring"
+    assert transit_only not in wrapped_kids(db)
+
+    versions = {v["kid"]: v for v in ok(cli_at(db, op, "--json", "key", "list"))["keys"]}
+    assert versions[restored["kid"]]["state"] == "current"
+    assert versions[restored["kid"]]["where"] == "keyring"
+    assert versions[transit_only]["state"] == "retained", versions
+    assert not versions[transit_only]["where"], versions[transit_only]
+    kit = str(tmp_path / "kit.json")
+    exported = ok(cli_at(db, op, "--json", "key", "export", "--passphrase-stdin", kit, input=PW))
+    assert exported["kids"] == [restored["kid"]]
+    assert exported["kids_missing"] == [transit_only], exported
+    assert shown(db, op) == ["before"]
+    assert ok(cli_at(db, op, "--json", "verify"))["ok"] is True
+    assert shown(later, a_host(key, tmp_path)) == ["before", "after"]
