@@ -173,9 +173,16 @@ class Link(NamedTuple):
         return cls(epoch, pos, seq, tag, prev, ident, mac)
 
 
+# Counts are packed as 64-bit fields; a stored one stays below 2^63, so that the
+# next operation's +1 still fits and an edited huge one is refused, never a crash.
+MAX_COUNT = 2**63 - 1
+
+
 def _count(text: str) -> int:
     if not text.isdigit() or not text.isascii() or (len(text) > 1 and text[0] == "0"):
         raise ValueError("not a count")
+    if len(text) > 19 or int(text) > MAX_COUNT:
+        raise ValueError("count too large")
     return int(text)
 
 
@@ -293,33 +300,65 @@ def new_head(key: ChainKey, session_id: str) -> Head:
 
 
 def extend(
-    key: ChainKey, session_id: str, head: Head, texts: Sequence[str]
+    key: ChainKey,
+    session_id: str,
+    head: Head,
+    texts: Sequence[str],
+    item_keys: Sequence[ChainKey] | None = None,
 ) -> tuple[list[Link], Head]:
     """The links of new items appended after `head`, and the head after them: one
-    operation (one `seq`), one HMAC per item and one for the head."""
+    operation (one `seq`), one HMAC per item and one for the head. `item_keys`, one
+    per text, MAC each item under the key its envelope names where that is not `key`:
+    an upgrade that links the rows of a file whose rotation was cut off finds rows
+    under both keys, and a reader checks each row with the key its envelope names."""
     seq = head.seq + 1
     tag = session_tag(key.vault_id, session_id)
     prefix = key.link_prefix(False, tag, head.epoch)
     prev, links = head.last, []
     for i, text in enumerate(texts):
-        ident = _link_mac(prefix, head.end + i, seq, prev, None, text)
+        own = prefix if item_keys is None else item_keys[i].link_prefix(False, tag, head.epoch)
+        ident = _link_mac(own, head.end + i, seq, prev, None, text)
         links.append(Link(head.epoch, head.end + i, seq, tag, prev, ident, ident))
         prev = ident
     moved = replace(head, end=head.end + len(links), seq=seq, last=prev)
     return links, _sealed(key, session_id, moved)
 
 
-def pop(key: ChainKey, session_id: str, head: Head, before: Link | None) -> Head:
-    """The head after the last item went. `before` is the item that becomes last
-    (None when the popped one was at `base`). A popped item put back no longer
-    fits: its position is at or past `end`, or the item written there since has a
-    higher `seq`, or the chain above it names another ident."""
+def _own_item(
+    key: ChainKey, session_id: str, head: Head, link: Link, text: str, link_key: ChainKey | None
+) -> bool:
+    """Whether `link` is an authentic, live item of this session's epoch: its MAC holds
+    over `text` under `link_key` (the key its envelope names; `key` by default)."""
+    return (
+        link.epoch == head.epoch
+        and head.base <= link.pos < head.end
+        and link.tag == session_tag(key.vault_id, session_id)
+        and link_ok(link_key or key, link, text)
+    )
+
+
+def pop(
+    key: ChainKey,
+    session_id: str,
+    head: Head,
+    popped: Link,
+    text: str,
+    link_key: ChainKey | None = None,
+) -> Head:
+    """The head after its last item went: `popped` and `text` are the row taken. It
+    must authenticate and be the head's `last`, so that an item put in its place (one
+    popped before, say) is never approved by a pop; the new `last` is its `prev`
+    (the floor when it was the only item). A popped item put back no longer fits:
+    its position is at or past `end`, or the item written there since has a higher
+    `seq`, or the chain above it names another ident."""
     if head.count == 0:
         raise ValueError("nothing to pop")
-    last = head.floor if before is None else before.ident
-    if before is not None and before.pos != head.end - 2:
-        raise ValueError("the item before the last one is not at end - 2")
-    return _sealed(key, session_id, replace(head, end=head.end - 1, seq=head.seq + 1, last=last))
+    if not _own_item(key, session_id, head, popped, text, link_key):
+        raise ValueError("the popped item does not authenticate")
+    if popped.ident != head.last or popped.pos != head.end - 1:
+        raise ValueError("the popped item is not the session's last")
+    moved = replace(head, end=head.end - 1, seq=head.seq + 1, last=popped.prev)
+    return _sealed(key, session_id, moved)
 
 
 def clear(key: ChainKey, session_id: str, head: Head) -> Head:
@@ -331,10 +370,20 @@ def clear(key: ChainKey, session_id: str, head: Head) -> Head:
     return _sealed(key, session_id, moved)
 
 
-def purge(key: ChainKey, session_id: str, head: Head, last_purged: Link) -> Head:
-    """The head after a TTL purge removed the oldest items, up to `last_purged`: the
-    base moves past it, and its ident becomes the floor the next item links to."""
-    if not head.base <= last_purged.pos < head.end or last_purged.epoch != head.epoch:
+def purge(
+    key: ChainKey,
+    session_id: str,
+    head: Head,
+    last_purged: Link,
+    text: str,
+    link_key: ChainKey | None = None,
+) -> Head:
+    """The head after a TTL purge removed the oldest items, up to `last_purged` (whose
+    envelope is `text`): the base moves past it, and its ident becomes the floor the
+    next item links to. Its link must authenticate over its own text, so that a link
+    copied from a fresh item onto an expired row cannot move the base past the fresh
+    ones."""
+    if not _own_item(key, session_id, head, last_purged, text, link_key):
         raise ValueError("the purged item is not a live item of this session")
     base = last_purged.pos + 1
     last = last_purged.ident if base == head.end else head.last

@@ -55,8 +55,10 @@ class Session:
         if not self.rows:
             return
         self._snap()
-        before = chain.Link.decode(self.rows[-2][1]) if len(self.rows) > 1 else None
-        self.head = chain.pop(self.key, self.session_id, self._head(), before)
+        text, raw = self.rows[-1]
+        popped = chain.Link.decode(raw)
+        assert popped is not None
+        self.head = chain.pop(self.key, self.session_id, self._head(), popped, text)
         self.popped.append(self.rows.pop())
 
     def clear(self) -> None:
@@ -70,9 +72,10 @@ class Session:
         if n == 0:
             return
         self._snap()
-        last = chain.Link.decode(self.rows[n - 1][1])
+        text, raw = self.rows[n - 1]
+        last = chain.Link.decode(raw)
         assert last is not None
-        self.head = chain.purge(self.key, self.session_id, self._head(), last)
+        self.head = chain.purge(self.key, self.session_id, self._head(), last, text)
         self.purged += self.rows[:n]
         del self.rows[:n]
 

@@ -460,3 +460,83 @@ def test_any_str_chains_even_one_with_a_lone_surrogate() -> None:
     rows = [(text, links[0].encode())]
     assert check({key.kid: key}, sid, rows, head) == Verdict()
     assert check({key.kid: key}, sid, [], head) == Verdict(Tamper.CUT_TAIL, 0)
+
+
+# --- operations never approve what an attacker put in place ---------------------------
+
+
+def test_a_pop_refuses_a_row_that_is_not_the_sessions_last(five: Session) -> None:
+    """A, B popped, then C, D written; the attacker puts B back in C's place. Popping D
+    would otherwise take its `before` from B's link and approve the history A, B."""
+    five.pop()
+    five.add(2)
+    put_back = five.popped[-1]
+    for text, raw in (put_back, five.rows[-2], (five.rows[-1][0], five.rows[-2][1])):
+        link = chain.Link.decode(raw)
+        assert link is not None
+        with pytest.raises(ValueError):
+            chain.pop(five.key, five.session_id, five._head(), link, text)
+    assert five.head is not None and five.head.count == 6  # nothing moved
+
+
+def test_a_purge_refuses_a_link_copied_from_a_fresh_item_onto_an_expired_row(
+    five: Session,
+) -> None:
+    """Moving the base past fresh items would let the attacker delete them unseen."""
+    expired_text = five.rows[0][0]
+    fresh = chain.Link.decode(five.rows[3][1])
+    assert fresh is not None
+    with pytest.raises(ValueError):
+        chain.purge(five.key, five.session_id, five._head(), fresh, expired_text)
+    other = Session.new("other", master=five.sealer.master_key)
+    other.add(4)
+    foreign = chain.Link.decode(other.rows[3][1])
+    assert foreign is not None  # authentic over its text, but another session's
+    with pytest.raises(ValueError):
+        chain.purge(five.key, five.session_id, five._head(), foreign, other.rows[3][0])
+
+
+@pytest.mark.parametrize("count", [2**63, 2**64, 10**40])
+def test_a_count_too_large_for_its_field_is_unauthenticated_not_a_crash(
+    five: Session, count: int
+) -> None:
+    text, raw = five.rows[2]
+    parts = raw.split(".")
+    parts[2] = str(count)  # the position
+    assert chain.Link.decode(".".join(parts)) is None
+    assert verdict(five, [*five.rows[:2], (text, ".".join(parts)), *five.rows[3:]]) == Verdict(
+        Tamper.UNAUTHENTICATED, 2
+    )
+    assert five.head is not None
+    fields = five.head.encode().split(".")
+    fields[5] = str(count)  # the seq
+    assert chain.Head.decode(".".join(fields)) is None
+
+
+def test_rows_under_two_keys_linked_each_under_its_own_check_clean_and_rotate() -> None:
+    """An upgrade of a file whose rotation was cut off: some rows still under the old
+    key, the rest under the new one, the head under the new one."""
+    s = Session.new()
+    old_sealer = s.sealer
+    new_sealer = crypto.Sealer(crypto.generate_key())
+    new_key = chain.chain_key(new_sealer.master_key, VAULT_ID)
+    s.keys[new_key.kid] = new_key
+    texts = [old_sealer.seal("s", {"n": i}) for i in range(3)]
+    texts += [new_sealer.seal("s", {"n": i}) for i in range(3, 5)]
+    item_keys = [s.keys[crypto.kid_of(t) or ""] for t in texts]
+    links, head = chain.extend(new_key, "s", chain.new_head(new_key, "s"), texts, item_keys)
+    rows = [(t, lk.encode()) for t, lk in zip(texts, links, strict=True)]
+    assert check(s.keys, "s", rows, head).ok
+    # Linked under the new key alone, the rows still under the old one do not verify.
+    wrong, _ = chain.extend(new_key, "s", chain.new_head(new_key, "s"), texts)
+    as_one = [(t, lk.encode()) for t, lk in zip(texts, wrong, strict=True)]
+    assert check(s.keys, "s", as_one, head) == Verdict(Tamper.UNAUTHENTICATED, 0)
+    # The rotation then moves the old rows with their links.
+    old_key = s.keys[old_sealer.kid]
+    for i in range(3):
+        moved = crypto.rotate_row_stamped(old_sealer, new_sealer, "s", texts[i])
+        assert moved is not None
+        relinked = chain.remac(old_key, new_key, links[i], texts[i], moved[0])
+        assert relinked is not None
+        rows[i] = (moved[0], relinked.encode())
+    assert check({new_key.kid: new_key}, "s", rows, head).ok
