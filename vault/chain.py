@@ -7,12 +7,11 @@ key derived from the key version's master key (HKDF, its own `info` label). A
 session's *head* (epoch, base, end, sequence, floor, last) is MACed the same way.
 `vault.chaincheck.check` judges a session's rows against its head.
 
-An item's `ident` is its MAC at the time it was written and never changes; the
-chain links idents, not current MACs. A rotation re-encrypts each row, so the
-MAC over the new envelope text is recomputed under the new key (`remac`), row by
-row with no cascade: the next row's `prev` still names the same `ident`. That is
-what lets the online rotation's batches (vault.rotation) re-MAC rows in any
-order, each in the same UPDATE that re-encrypts it. Design: docs/history-chain.md.
+An item's `ident` is its MAC when written and never changes; the chain links
+idents, not current MACs. A rotation re-MACs each re-encrypted row under the new
+key (`remac`) with no cascade, so the online rotation's batches (vault.rotation)
+re-MAC rows in any order, each in the UPDATE that re-encrypts it. Design:
+docs/history-chain.md.
 """
 
 from __future__ import annotations
@@ -173,8 +172,7 @@ class Link(NamedTuple):
         return cls(epoch, pos, seq, tag, prev, ident, mac)
 
 
-# Counts are packed as 64-bit fields; a stored one stays below 2^63, so that the
-# next operation's +1 still fits and an edited huge one is refused, never a crash.
+# Counts are 64-bit fields: one read stays below 2^63 (its +1 fits), a huge one refused.
 MAX_COUNT = 2**63 - 1
 
 
@@ -306,11 +304,9 @@ def extend(
     texts: Sequence[str],
     item_keys: Sequence[ChainKey] | None = None,
 ) -> tuple[list[Link], Head]:
-    """The links of new items appended after `head`, and the head after them: one
-    operation (one `seq`), one HMAC per item and one for the head. `item_keys`, one
-    per text, MAC each item under the key its envelope names where that is not `key`:
-    an upgrade that links the rows of a file whose rotation was cut off finds rows
-    under both keys, and a reader checks each row with the key its envelope names."""
+    """The links of new items appended after `head`, and the head after them (one `seq`).
+    `item_keys` (one per text) MAC each under the key its envelope names: an upgrade
+    amid a cut-off rotation links rows under both keys."""
     seq = head.seq + 1
     tag = session_tag(key.vault_id, session_id)
     prefix = key.link_prefix(False, tag, head.epoch)
@@ -327,8 +323,7 @@ def extend(
 def _own_item(
     key: ChainKey, session_id: str, head: Head, link: Link, text: str, link_key: ChainKey | None
 ) -> bool:
-    """Whether `link` is an authentic, live item of this session's epoch: its MAC holds
-    over `text` under `link_key` (the key its envelope names; `key` by default)."""
+    """Whether `link` is a live item of this session, its MAC over `text` sound."""
     return (
         link.epoch == head.epoch
         and head.base <= link.pos < head.end
@@ -345,18 +340,14 @@ def pop(
     text: str,
     link_key: ChainKey | None = None,
 ) -> Head:
-    """The head after its last item went: `popped` and `text` are the row taken. It
-    must authenticate and be the head's `last`, so that an item put in its place (one
-    popped before, say) is never approved by a pop; the new `last` is its `prev`
-    (the floor when it was the only item). A popped item put back no longer fits:
-    its position is at or past `end`, or the item written there since has a higher
-    `seq`, or the chain above it names another ident."""
+    """The head after its last item, the row (`popped`, `text`), went. That row must
+    authenticate and be the head's `last`, so a pop never approves an item put in
+    its place; the new `last` is its `prev`. A popped item put back no longer fits
+    (its position is past `end`, or a later `seq` wrote there)."""
     if head.count == 0:
         raise ValueError("nothing to pop")
-    if not _own_item(key, session_id, head, popped, text, link_key):
-        raise ValueError("the popped item does not authenticate")
-    if popped.ident != head.last or popped.pos != head.end - 1:
-        raise ValueError("the popped item is not the session's last")
+    if popped.ident != head.last or not _own_item(key, session_id, head, popped, text, link_key):
+        raise ValueError("the popped item is not the session's authentic last one")
     moved = replace(head, end=head.end - 1, seq=head.seq + 1, last=popped.prev)
     return _sealed(key, session_id, moved)
 
@@ -378,11 +369,8 @@ def purge(
     text: str,
     link_key: ChainKey | None = None,
 ) -> Head:
-    """The head after a TTL purge removed the oldest items, up to `last_purged` (whose
-    envelope is `text`): the base moves past it, and its ident becomes the floor the
-    next item links to. Its link must authenticate over its own text, so that a link
-    copied from a fresh item onto an expired row cannot move the base past the fresh
-    ones."""
+    """The head after a TTL purge took the oldest items up to `last_purged`, whose link
+    must authenticate over its own `text`; its ident becomes the floor."""
     if not _own_item(key, session_id, head, last_purged, text, link_key):
         raise ValueError("the purged item is not a live item of this session")
     base = last_purged.pos + 1
