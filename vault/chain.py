@@ -42,11 +42,11 @@ _GENESIS_DOMAIN = b"memvault chain genesis v1"
 _TAG_DOMAIN = b"memvault chain session v1"
 
 
-def _hex(raw: bytes) -> str:
+def hex_text(raw: bytes) -> str:
     return raw.hex()
 
 
-def _unhex(text: str) -> bytes:
+def unhex(text: str) -> bytes:
     # Hex, not base64: bytes.fromhex is a C call, base64's decoder several Python ones,
     # and a link is decoded for every item read. Only the canonical spelling is taken.
     if len(text) != 2 * MAC_BYTES:
@@ -57,17 +57,17 @@ def _unhex(text: str) -> bytes:
     return raw
 
 
-def _fields(*parts: bytes) -> bytes:
+def fields(*parts: bytes) -> bytes:
     # Length-prefixed, so no two different field lists give the same input.
     return b"".join(struct.pack(">I", len(p)) + p for p in parts)
 
 
-def _utf8(text: str) -> bytes:
+def utf8(text: str) -> bytes:
     # surrogatepass: a session id or row is any Python str, lone surrogates included.
     return text.encode("utf-8", "surrogatepass")
 
 
-def _num(n: int) -> bytes:
+def num(n: int) -> bytes:
     return struct.pack(">Q", n)
 
 
@@ -100,7 +100,7 @@ class ChainKey:
                 self._prefixes.clear()
             h = self._keyed.copy()
             domain = _RELINK_DOMAIN if relinked else _LINK_DOMAIN
-            h.update(_fields(domain, _utf8(self.vault_id), tag, _num(epoch)))
+            h.update(fields(domain, utf8(self.vault_id), tag, num(epoch)))
             self._prefixes[(relinked, tag, epoch)] = h
         return h
 
@@ -122,14 +122,14 @@ def chain_key(master_key: str, vault_id: str) -> ChainKey:
 def session_tag(vault_id: str, session_id: str) -> bytes:
     """A key-independent tag of the session (its id is in the row already): lets `check`
     tell an item moved from another session of the vault from a forged one."""
-    return hashlib.sha256(_fields(_TAG_DOMAIN, _utf8(vault_id), _utf8(session_id))).digest()[
+    return hashlib.sha256(fields(_TAG_DOMAIN, utf8(vault_id), utf8(session_id))).digest()[
         :MAC_BYTES
     ]
 
 
 def genesis(vault_id: str, session_id: str, epoch: int) -> bytes:
     """The `prev` of an epoch's first item; key-independent so a rotation keeps it."""
-    data = _fields(_GENESIS_DOMAIN, _utf8(vault_id), _utf8(session_id), _num(epoch))
+    data = fields(_GENESIS_DOMAIN, utf8(vault_id), utf8(session_id), num(epoch))
     return hashlib.sha256(data).digest()[:MAC_BYTES]
 
 
@@ -148,9 +148,9 @@ class Link(NamedTuple):
 
     def encode(self) -> str:
         parts = [LINK_VERSION, str(self.epoch), str(self.pos), str(self.seq)]
-        parts += [_hex(self.tag), _hex(self.prev), _hex(self.ident)]
+        parts += [hex_text(self.tag), hex_text(self.prev), hex_text(self.ident)]
         if self.mac != self.ident:
-            parts.append(_hex(self.mac))
+            parts.append(hex_text(self.mac))
         return ".".join(parts)
 
     @classmethod
@@ -162,9 +162,9 @@ class Link(NamedTuple):
         if len(parts) not in (7, 8) or parts[0] != LINK_VERSION:
             return None
         try:
-            epoch, pos, seq = _count(parts[1]), _count(parts[2]), _count(parts[3])
-            tag, prev, ident = _unhex(parts[4]), _unhex(parts[5]), _unhex(parts[6])
-            mac = _unhex(parts[7]) if len(parts) == 8 else ident
+            epoch, pos, seq = count_of(parts[1]), count_of(parts[2]), count_of(parts[3])
+            tag, prev, ident = unhex(parts[4]), unhex(parts[5]), unhex(parts[6])
+            mac = unhex(parts[7]) if len(parts) == 8 else ident
         except ValueError:
             return None
         if len(parts) == 8 and mac == ident:
@@ -176,7 +176,7 @@ class Link(NamedTuple):
 MAX_COUNT = 2**63 - 1
 
 
-def _count(text: str) -> int:
+def count_of(text: str) -> int:
     if not text.isdigit() or not text.isascii() or (len(text) > 1 and text[0] == "0"):
         raise ValueError("not a count")
     if len(text) > 19 or int(text) > MAX_COUNT:
@@ -196,7 +196,7 @@ def _link_mac(
     fixed = _POSITION.pack(pos, seq, prev)
     if ident is not None:
         fixed += ident
-    h.update(fixed + _utf8(text))
+    h.update(fixed + utf8(text))
     return h.finalize()[:MAC_BYTES]
 
 
@@ -246,7 +246,7 @@ class Head:
     def encode(self) -> str:
         nums = (self.epoch, self.base, self.end, self.seq)
         vals = (self.floor, self.last, self.mac)
-        return ".".join([HEAD_VERSION, self.kid, *map(str, nums), *map(_hex, vals)])
+        return ".".join([HEAD_VERSION, self.kid, *map(str, nums), *map(hex_text, vals)])
 
     @classmethod
     def decode(cls, text: str | None) -> Head | None:
@@ -256,8 +256,8 @@ class Head:
         if len(parts) != 9 or parts[0] != HEAD_VERSION or not crypto.looks_like_kid(parts[1]):
             return None
         try:
-            epoch, base, end, seq = (_count(p) for p in parts[2:6])
-            floor, last, mac = (_unhex(p) for p in parts[6:9])
+            epoch, base, end, seq = (count_of(p) for p in parts[2:6])
+            floor, last, mac = (unhex(p) for p in parts[6:9])
         except ValueError:
             return None
         if end < base:
@@ -266,15 +266,15 @@ class Head:
 
 
 def _head_input(key: ChainKey, session_id: str, h: Head) -> bytes:
-    return _fields(
+    return fields(
         _HEAD_DOMAIN,
-        _utf8(key.vault_id),
-        _utf8(session_id),
-        _utf8(h.kid),
-        _num(h.epoch),
-        _num(h.base),
-        _num(h.end),
-        _num(h.seq),
+        utf8(key.vault_id),
+        utf8(session_id),
+        utf8(h.kid),
+        num(h.epoch),
+        num(h.base),
+        num(h.end),
+        num(h.seq),
         h.floor,
         h.last,
     )

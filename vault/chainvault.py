@@ -1,0 +1,155 @@
+"""The vault head: one authenticated summary of every session's head (vault.chain).
+
+A session's head vouches for its rows, but a session's rows and head put back
+together from an older copy, or a session removed whole, are consistent on their
+own. The vault head closes that: its `digest` is the XOR, over the sessions, of a
+MAC of each head's key-independent state (`Head.anchor()`), under the chain key,
+so one write moves it in O(1) (out with the session's old state, in with the new)
+and no one without the key can compute or combine the terms. The head itself is
+MACed with its `seq`, which every chained write of the vault increments.
+
+What the vault head cannot tell is a whole file put back, every head and the vault
+head together: that is what the point kept outside the file (`Point`, the anchor
+of docs/history-chain.md) is compared with. Pure: no I/O, no engine.
+"""
+
+from __future__ import annotations
+
+import hmac as _hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vault import crypto
+from vault.chain import (
+    MAC_BYTES,
+    Anchor,
+    ChainKey,
+    Head,
+    count_of,
+    fields,
+    head_ok,
+    hex_text,
+    num,
+    unhex,
+    utf8,
+)
+from vault.chaincheck import Tamper
+
+VAULT_HEAD_VERSION = "v1"
+_TERM_DOMAIN = b"memvault chain vault term v1"
+_VAULT_HEAD_DOMAIN = b"memvault chain vault head v1"
+ZERO = bytes(MAC_BYTES)
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return bytes(x ^ y for x, y in zip(a, b, strict=True))
+
+
+@dataclass(frozen=True)
+class Point:
+    """What the anchor outside the file keeps of a vault head: no key needed to compare
+    it, nothing secret in it."""
+
+    seq: int
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class VaultHead:
+    kid: str
+    seq: int
+    digest: bytes
+    mac: bytes
+
+    def point(self) -> Point:
+        return Point(self.seq, self.digest)
+
+    def encode(self) -> str:
+        parts = [VAULT_HEAD_VERSION, self.kid, str(self.seq), hex_text(self.digest)]
+        return ".".join([*parts, hex_text(self.mac)])
+
+    @classmethod
+    def decode(cls, text: str | None) -> VaultHead | None:
+        if text is None:
+            return None
+        parts = text.split(".")
+        if len(parts) != 5 or parts[0] != VAULT_HEAD_VERSION or not crypto.looks_like_kid(parts[1]):
+            return None
+        try:
+            seq, digest, mac = count_of(parts[2]), unhex(parts[3]), unhex(parts[4])
+        except ValueError:
+            return None
+        if len(digest) != MAC_BYTES or len(mac) != MAC_BYTES:
+            return None
+        return cls(parts[1], seq, digest, mac)
+
+
+def term(key: ChainKey, session_id: str, anchor: Anchor | None) -> bytes:
+    """A session's term of the digest: nothing for a session with no head."""
+    if anchor is None:
+        return ZERO
+    nums = (anchor.epoch, anchor.base, anchor.end, anchor.seq)
+    data = fields(_TERM_DOMAIN, utf8(key.vault_id), utf8(session_id), *map(num, nums))
+    return key.mac(data + anchor.last)
+
+
+def _sealed(key: ChainKey, seq: int, digest: bytes) -> VaultHead:
+    data = fields(_VAULT_HEAD_DOMAIN, utf8(key.vault_id), utf8(key.kid), num(seq), digest)
+    return VaultHead(key.kid, seq, digest, key.mac(data))
+
+
+def vault_head_ok(key: ChainKey, vh: VaultHead) -> bool:
+    return key.kid == vh.kid and _hmac.compare_digest(_sealed(key, vh.seq, vh.digest).mac, vh.mac)
+
+
+def digest_of(key: ChainKey, heads: Mapping[str, Head]) -> bytes:
+    """The digest of these session heads, computed afresh (verify; a rotation)."""
+    out = ZERO
+    for session_id, head in heads.items():
+        out = _xor(out, term(key, session_id, head.anchor()))
+    return out
+
+
+def new_vault_head(key: ChainKey, heads: Mapping[str, Head] | None = None) -> VaultHead:
+    """The vault head over `heads` (none: an empty vault), at seq 0."""
+    return _sealed(key, 0, digest_of(key, heads or {}))
+
+
+def moved(
+    key: ChainKey, vh: VaultHead, session_id: str, before: Head | None, after: Head | None
+) -> VaultHead:
+    """The vault head after one write moved a session's head from `before` to `after`
+    (None: no head), in the write's own transaction."""
+    if not vault_head_ok(key, vh):
+        raise ValueError("the vault head does not authenticate")
+    old = term(key, session_id, None if before is None else before.anchor())
+    new = term(key, session_id, None if after is None else after.anchor())
+    return _sealed(key, vh.seq + 1, _xor(_xor(vh.digest, old), new))
+
+
+def rekeyed(old: ChainKey, new: ChainKey, vh: VaultHead, heads: Mapping[str, Head]) -> VaultHead:
+    """The vault head under a rotation's new key: checked under the old one against the
+    heads (as re-MACed), then summed afresh under the new one, one write later."""
+    if judge(old, vh, heads) is not None:
+        raise ValueError("the vault head does not match its sessions")
+    return _sealed(new, vh.seq + 1, digest_of(new, heads))
+
+
+def judge(
+    key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head], anchor: Point | None = None
+) -> Tamper | None:
+    """What is wrong with the vault as a whole, or None. `heads` are the sessions'
+    stored heads (each judged on its own by vault.chaincheck); `anchor` is the point
+    kept outside the file, if any."""
+    if vh is None or not vault_head_ok(key, vh):
+        return Tamper.UNAUTHENTICATED
+    if any(not head_ok(key, sid, h) for sid, h in heads.items()):
+        return Tamper.UNAUTHENTICATED
+    if not _hmac.compare_digest(digest_of(key, heads), vh.digest):
+        # A session put back from an older copy (rows and head), added or removed whole.
+        return Tamper.ROLLED_BACK
+    if anchor is not None and (
+        vh.seq < anchor.seq or (vh.seq == anchor.seq and vh.digest != anchor.digest)
+    ):
+        return Tamper.ROLLED_BACK  # the whole file is older than what was seen of it
+    return None
