@@ -1,0 +1,87 @@
+"""The history chain's anchor (vault.chainanchor) in the real keyring: the newest vault
+head seen, kept outside the file, read by another process, moved forward only unless
+on purpose, and gone with the vault's entries."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, keyring_entries
+from vault import chainanchor, chainvault
+from vault.chain import MAC_BYTES
+from vault.chainvault import Point
+from vault.keys import KeyStore
+
+pytestmark = pytest.mark.secret_service
+
+READ_IN_ANOTHER_PROCESS = """
+import sys
+from vault import chainanchor
+from vault.keys import KeyStore
+point = chainanchor.read(KeyStore(), sys.argv[1])
+print(point.seq, point.digest.hex())
+"""
+
+
+def point(seq: int) -> Point:
+    return Point(seq, secrets.token_bytes(MAC_BYTES))
+
+
+def test_the_anchor_moves_forward_only_and_another_process_reads_it() -> None:
+    ks, vault_id = KeyStore(), "mv-" + secrets.token_hex(12)
+    assert chainanchor.read(ks, vault_id) is None
+    first = point(5)
+    assert chainanchor.advance(ks, vault_id, first) == first
+    # Another process saw a newer state meanwhile: an older point leaves it.
+    assert chainanchor.advance(ks, vault_id, point(4)) == first
+    assert chainanchor.advance(ks, vault_id, point(5)) == first
+    newer = point(9)
+    assert chainanchor.advance(ks, vault_id, newer) == newer
+    proc = subprocess.run(
+        [sys.executable, "-c", READ_IN_ANOTHER_PROCESS, vault_id],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(newer.seq), newer.digest.hex()]
+    # On purpose (a restore): back it goes.
+    assert chainanchor.advance(ks, vault_id, first, moved_back=True) == first
+    assert chainanchor.read(ks, vault_id) == first
+    assert set(keyring_entries(vault_id)) == {chainanchor.entry_name(vault_id)}
+    assert chainanchor.forget(ks, vault_id) is True
+    assert chainanchor.read(ks, vault_id) is None and keyring_entries(vault_id) == {}
+    assert chainanchor.forget(ks, vault_id) is False
+
+
+def test_a_file_behind_its_anchor_is_judged_rolled_back() -> None:
+    from tests.security.test_vault_head import Vault
+
+    v = Vault()
+    v.apply("a", ("add", 2))
+    older = v.vh
+    v.apply("b", ("add", 1))
+    ks, vault_id = KeyStore(), "mv-" + secrets.token_hex(12)
+    try:
+        chainanchor.advance(ks, vault_id, v.vh.point())
+        anchor = chainanchor.read(ks, vault_id)
+        assert v.judge(anchor=anchor) is None
+        older_heads = v.history[-1][0]
+        rolled = chainvault.judge(v.key, older, older_heads, anchor=anchor)
+        assert rolled is not None and rolled.value == "replaced by an older copy"
+    finally:
+        chainanchor.forget(ks, vault_id)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "a1.1", "a2.1." + "00" * MAC_BYTES, "a1.01." + "00" * MAC_BYTES, "a1.1.00",
+     "a1.99999999999999999999." + "00" * MAC_BYTES, "a1.1." + "zz" * MAC_BYTES],
+)  # fmt: skip
+def test_an_anchor_memvault_did_not_write_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        chainanchor.decode(text)
+    good = Point(3, bytes(range(MAC_BYTES)))
+    assert chainanchor.decode(chainanchor.encode(good)) == good

@@ -1,0 +1,71 @@
+"""The anchor: the newest vault head (vault.chainvault) seen of a vault, kept outside
+its file, in the keyring entry `<vault_id>/anchor` beside its keys.
+
+A file put back whole from an older copy is consistent with itself; only a record
+kept elsewhere tells it. The anchor holds a `Point` (the vault head's `seq` and
+`digest`), nothing secret: a file whose head is behind it, or at its `seq` with
+another digest, was rolled back. It only moves forward, except on purpose
+(`restore`, or accepting a file put back by hand). It is written after the write
+it records has committed, so that a kill between the two leaves it behind the
+file (a window, never a false alarm).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from vault.chain import MAC_BYTES, count_of, hex_text, unhex
+from vault.chainvault import Point
+
+ANCHOR_VERSION = "a1"
+
+
+class Store(Protocol):
+    """What the anchor needs of a keyring (vault.keys.KeyStore)."""
+
+    def get(self, name: str) -> str | None: ...
+
+    def set(self, name: str, key: str) -> None: ...
+
+    def delete(self, name: str) -> bool: ...
+
+
+def entry_name(vault_id: str) -> str:
+    return f"{vault_id}/anchor"
+
+
+def encode(point: Point) -> str:
+    return ".".join([ANCHOR_VERSION, str(point.seq), hex_text(point.digest)])
+
+
+def decode(text: str) -> Point:
+    """The point an anchor entry holds. ValueError for one memvault did not write."""
+    parts = text.split(".")
+    if len(parts) != 3 or parts[0] != ANCHOR_VERSION:
+        raise ValueError("not an anchor")
+    seq, digest = count_of(parts[1]), unhex(parts[2])
+    if len(digest) != MAC_BYTES:
+        raise ValueError("not an anchor")
+    return Point(seq, digest)
+
+
+def read(store: Store, vault_id: str) -> Point | None:
+    """The vault's anchor, or None before its first one."""
+    text = store.get(entry_name(vault_id))
+    return None if text is None else decode(text)
+
+
+def advance(store: Store, vault_id: str, point: Point, *, moved_back: bool = False) -> Point:
+    """Record `point` as the newest state seen, and return what the anchor holds now:
+    a point behind the stored one leaves it as it is (another process saw a newer
+    state), unless `moved_back` (a restore, or a file accepted on purpose)."""
+    stored = read(store, vault_id)
+    if stored is not None and not moved_back and point.seq <= stored.seq:
+        return stored
+    store.set(entry_name(vault_id), encode(point))
+    return point
+
+
+def forget(store: Store, vault_id: str) -> bool:
+    """Delete the anchor (shred and revoke destroy the vault's entries)."""
+    return store.delete(entry_name(vault_id))
