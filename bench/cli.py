@@ -31,7 +31,7 @@ def bench_cli(cfg: Config, ws: Workspace) -> None:
             for i, it in enumerate(make_items(n, seed=11))
         )
         with contextlib.closing(sqlite3.connect(vaults[n].path, isolation_level=None)) as conn:
-            fill(conn, rows)
+            fill(conn, rows, sealer)
     v = vaults[cfg.cli_items]
     mv = memvault_cmd()
     base = "import keyring, cryptography.fernet, click, sqlite3"

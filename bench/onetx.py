@@ -11,7 +11,8 @@ import json
 import sys
 import time
 
-from vault import crypto, keyjournal
+from vault import chainops, crypto, keyjournal
+from vault.engines.sqlite import chainrows
 from vault.engines.sqlite.db import audit, read_meta, row_batches, set_meta
 from vault.engines.sqlite.schema import MESSAGES_TABLE, utcnow
 from vault.engines.sqlite.vault import Vault
@@ -58,13 +59,22 @@ def _reencrypt(v: Vault, old: crypto.Sealer, new: crypto.Sealer) -> dict[str, in
         if meta["kid"] != old.kid or states.get(new.kid) != PENDING:
             return None
         vault_id = meta["vault_id"]
+        # The history chain moves with the rows, as in the online rotation: a fair baseline.
+        chain_keys = (chainops.key_of(old, vault_id), chainops.key_of(new, vault_id))
         try:
             ks.set(entry_name(vault_id, new.kid), new.master_key)
             stored = True
             set_meta(conn, kid=new.kid, rotated_at=utcnow(), scrub_pending="1")
             keyjournal.record(conn, old.kid, RETIRED)
             keyjournal.record(conn, new.kid, CURRENT)
+            chainrows.remac_heads(conn, *chain_keys)
             for batch in row_batches(conn):
+                links: dict[int, str | None] = dict(
+                    conn.execute(
+                        f"SELECT id, chain FROM {MESSAGES_TABLE} WHERE id BETWEEN ? AND ?",
+                        (batch[0][0], batch[-1][0]),
+                    ).fetchall()
+                )
                 updates = []
                 for row_id, sid, data in batch:
                     sessions.add(sid)
@@ -76,9 +86,11 @@ def _reencrypt(v: Vault, old: crypto.Sealer, new: crypto.Sealer) -> dict[str, in
                     items += 1
                     if cutoff is not None and ts < cutoff:
                         expired += 1
-                    updates.append((rotated, row_id))
+                    updates.append((rotated, row_id, data))
                 conn.executemany(
-                    f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ?", updates
+                    f"UPDATE {MESSAGES_TABLE} SET message_data = ?, chain = ? "
+                    "WHERE id = ? AND message_data = ? AND chain IS ?",
+                    chainrows.remac_updates(*chain_keys, updates, links),
                 )
             audit(
                 conn,

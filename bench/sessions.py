@@ -48,7 +48,7 @@ def bench_sessions(cfg: Config, ws: Workspace) -> None:
 
     sealed = [(sids[n], sealer.seal(sids[n], it)) for n in cfg.sizes for it in items[n]]
     with contextlib.closing(sqlite3.connect(main, isolation_level=None)) as conn:
-        fill(conn, sealed)
+        fill(conn, sealed, sealer)
     # The bare EncryptedSession writes into a file without the vault's triggers.
     bare_path = ws.dir / "bare.db"
     with contextlib.closing(plain_db(bare_path)) as conn:

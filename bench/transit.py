@@ -69,7 +69,7 @@ def _filled(ws: Workspace, name: str) -> Vault:
     sealer = v.sealer()
     rows = (("chat", sealer.seal("chat", it)) for it in make_items(ITEMS, seed=5))
     with contextlib.closing(sqlite3.connect(v.path, isolation_level=None)) as conn:
-        fill(conn, rows)
+        fill(conn, rows, sealer)
     return v
 
 

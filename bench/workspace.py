@@ -84,8 +84,18 @@ SDK_DDL = (
 )
 
 
-def fill(conn: Any, rows: Iterable[tuple[str, str]]) -> int:
-    """Insert (session_id, message_data) rows in one transaction; the SDK's own tables."""
+def fill(conn: Any, rows: Iterable[tuple[str, str]], sealer: Any = None) -> int:
+    """Insert (session_id, message_data) rows in one transaction; the SDK's own tables.
+    Into a vault file, `sealer` (the key the rows are sealed with) links each row to its
+    session's history chain, as the vault's guard requires."""
+    key = None
+    if sealer is not None:
+        from vault import chainops
+
+        (vault_id,) = conn.execute(
+            "SELECT value FROM memvault_meta WHERE key = 'vault_id'"
+        ).fetchone()
+        key = chainops.key_of(sealer, vault_id)
     n = 0
     conn.execute("BEGIN")
     seen: set[str] = set()
@@ -95,9 +105,14 @@ def fill(conn: Any, rows: Iterable[tuple[str, str]]) -> int:
             "INSERT OR IGNORE INTO agent_sessions (session_id) VALUES (?)", [(s,) for s in new]
         )
         seen |= new
-        conn.executemany(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", batch
-        )
+        if key is None:
+            conn.executemany(
+                "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", batch
+            )
+        else:
+            from vault.engines.sqlite import chainrows
+
+            chainrows.insert_rows(conn, key, batch)
         n += len(batch)
     conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -216,12 +231,13 @@ def build_big(v: Vault, n: int, sessions: int, seed: int, unique: int | None = N
     assert n % m == 0 and m % EXPIRED_EVERY == 0 and (unique is None or sessions == 1)
     jobs = [(s, min(CHUNK, m - s), sessions, seed, now) for s in range(0, m, CHUNK)]
     ctx = multiprocessing.get_context("fork")
+    sealer = v.sealer()
     with (
         ctx.Pool(2, seal_init, (v.sealer().master_key,)) as pool,
         contextlib.closing(sqlite3.connect(v.path, isolation_level=None)) as conn,
     ):
         if unique is None:
-            fill(conn, (row for chunk in pool.imap(seal_chunk, jobs) for row in chunk))
+            fill(conn, (row for chunk in pool.imap(seal_chunk, jobs) for row in chunk), sealer)
         else:
             sealed = [row for chunk in pool.imap(seal_chunk, jobs) for row in chunk]
-            fill(conn, (row for _ in range(n // m) for row in sealed))
+            fill(conn, (row for _ in range(n // m) for row in sealed), sealer)

@@ -14,14 +14,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from vault.engines.sqlite.vault import Vault
-from vault.errors import VaultError
+from vault.errors import HistoryTampered, VaultError
 
 if TYPE_CHECKING:
     from agents import SessionSettings
 
     from vault.engines.sqlite.session import VaultSession
 
-__all__ = ["Vault", "VaultError", "open_session", "__version__"]
+__all__ = ["HistoryTampered", "Vault", "VaultError", "open_session", "__version__"]
 
 
 def __getattr__(name: str) -> str:

@@ -147,7 +147,10 @@ class AnyVault(Engine, Protocol):
         limit: int | None = None,
         now: int | None = None,
         include_expired: bool = False,
+        include_tampered: bool = False,
     ) -> Iterator[crypto.Opened]: ...
+
+    def history_verdict(self, session_id: str) -> str | None: ...
 
     def status(self, now: int | None = None) -> dict[str, Any]: ...
 

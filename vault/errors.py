@@ -46,6 +46,16 @@ class ItemsUnreadable(OperationFailed):
         self.count = count
 
 
+class HistoryTampered(VaultError):
+    """A chained session's history does not verify: reordered, replayed, cut or forged
+    (docs/history-chain.md). `session_id` and `kind` name what was found (exit 1)."""
+
+    def __init__(self, message: str, session_id: str = "", kind: str = "") -> None:
+        super().__init__(message)
+        self.session_id = session_id
+        self.kind = kind
+
+
 class UnknownSession(VaultError):
     """The session id is not in the vault."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vault import backupmark, exportdirs, files, targets
+from vault import backupmark, chainops, exportdirs, files, targets
 from vault.crypto import ItemState
 from vault.engine import AnyVault
 from vault.errors import BadInput, OperationFailed, UnknownSession, VaultError
@@ -177,6 +177,9 @@ class ExportPlan:
     format: str
     force: bool
     include_expired: bool
+    # Sessions whose history chain does not verify, with what is wrong: exported only
+    # with include_tampered, and marked.
+    tampered: dict[str, str] = field(default_factory=dict)
 
 
 def plan_export(
@@ -187,6 +190,7 @@ def plan_export(
     fmt: str = "jsonl",
     force: bool = False,
     include_expired: bool = False,
+    include_tampered: bool = False,
 ) -> ExportPlan:
     """Check everything an export needs, in the order a user fixes things.
 
@@ -214,7 +218,14 @@ def plan_export(
         )
     vault.sealer()  # a missing or revoked key fails here, before any file exists
     sessions = select_sessions(vault, session_ids, all_sessions)
-    return ExportPlan(sessions, target, fmt, force, include_expired)
+    tampered = {}
+    for sid in sessions:  # refused before any file exists
+        kind = vault.history_verdict(sid)
+        if kind is not None and not include_tampered:
+            raise chainops.tampered(sid, kind, str(targets.vault_path_of(vault)))
+        if kind is not None:
+            tampered[sid] = kind
+    return ExportPlan(sessions, target, fmt, force, include_expired, tampered)
 
 
 def recognise_export(head: bytes) -> str | None:
@@ -291,7 +302,12 @@ def _render(
         if md:
             yield f"\n## Session {_code(escape_line(sid))}\n"
         written = 0
-        opened = vault.opened_items(sid, now=now, include_expired=plan.include_expired)
+        kind = plan.tampered.get(sid)
+        if md and kind is not None:
+            yield f"\n**TAMPERED: this session's history does not verify ({kind}).**\n"
+        opened = vault.opened_items(
+            sid, now=now, include_expired=plan.include_expired, include_tampered=kind is not None
+        )
         for position, one in enumerate(opened, 1):
             if one.state is ItemState.UNREADABLE:
                 result.unreadable += 1
@@ -313,6 +329,8 @@ def _render(
                     "expired": expired,
                     "item": one.item,
                 }
+                if kind is not None:
+                    record["tampered"] = kind
                 yield json.dumps(record, ensure_ascii=False) + "\n"
         if md and not written:
             yield "\n_(no items to show)_\n"

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from vault import backupmark, crypto, files, paths, source_shred, targets, testhooks
+from vault import backupmark, chainops, crypto, files, paths, source_shred, targets, testhooks
+from vault.engines.sqlite import chainrows
 from vault.engines.sqlite.db import audit
 from vault.engines.sqlite.schema import (
     MESSAGES_TABLE,
@@ -377,11 +378,14 @@ class Importer:
                 (sid, s.created_at, s.updated_at),
             )
             rows = self._source_rows(s)
+            key = chainops.key_of(sealer, vault.vault_id)
             while batch := rows.fetchmany(BATCH):
-                conn.executemany(
-                    f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
-                    "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP))",
-                    self._seal_batch(sid, batch, sealer, source_digest),
+                sealed = self._seal_batch(sid, batch, sealer, source_digest)
+                links = chainrows.append(conn, key, sid, [s[1] for s in sealed], str(vault.path))
+                conn.executemany(  # each row with its chain link, the head moved with them
+                    f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at, chain) "
+                    "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP), ?)",
+                    [(*s, lk) for s, lk in zip(sealed, links, strict=True)],
                 )
                 count += self._inserted(len(batch), progress)
             check = self._read_back(sid, sealer)

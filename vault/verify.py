@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from vault import crypto, paths
+from vault import chainops, crypto, paths
 from vault.engines.sqlite.db import (
     check_header,
     is_damage,
@@ -31,7 +31,14 @@ from vault.engines.sqlite.db import (
     refuse_odd_side_files,
 )
 from vault.engines.sqlite.lifecycle import KeyLifecycle
-from vault.engines.sqlite.schema import FORMAT, MESSAGES_TABLE, MIGRATIONS, SESSIONS_TABLE, migrate
+from vault.engines.sqlite.schema import (
+    FILE_FORMAT,
+    FORMAT,
+    MESSAGES_TABLE,
+    MIGRATIONS,
+    SESSIONS_TABLE,
+    migrate,
+)
 from vault.errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
 from vault.keys import KeyStore
 
@@ -57,6 +64,11 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "items that do not authenticate (tampered, corrupt or under another key)",
         "`memvault show SESSION` reports them per session; restore the vault from a backup, "
         "or delete them on purpose with `memvault clear SESSION --include-unreadable`",
+    ),
+    "history_chain": (
+        "sessions whose history does not verify (reordered, replayed, cut or forged)",
+        "the file was changed outside memvault: restore it from a backup; `memvault show "
+        "SESSION --include-tampered` reads what is there, marked",
     ),
     "guard_triggers": (
         "guard triggers missing, altered or unexpected",
@@ -175,6 +187,9 @@ def verify(
             _triggers(conn, report)
             _integrity(conn, report)
             _items(conn, report, sealer, meta)
+            # Not on a damaged file: its indexes may name rows that are not there.
+            if sealer and report.authenticated is not None and not report.problems["integrity"]:
+                _chains(conn, report, sealer, meta)
             return report  # the read transaction ends with the connection (rolled back)
     raise VaultBusy(
         f"{path} kept changing key while being verified (rotations in a loop?); try again"
@@ -191,18 +206,19 @@ def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:
             f"{report.path} is a SQLite database but not a memvault vault (no memvault_meta "
             "table); nothing to verify"
         ) from None
-    check_meta(meta, report)
+    check_meta(meta, report, FILE_FORMAT)
     return meta
 
 
-def check_meta(meta: dict[str, str], report: VerifyReport) -> None:
-    """The meta rows: required keys, format, vault id and key id formats, TTL, timestamps."""
+def check_meta(meta: dict[str, str], report: VerifyReport, fmt: str = FORMAT) -> None:
+    """The meta rows: required keys, format (`fmt`: the engine's), vault id and key id
+    formats, TTL, timestamps."""
     report.vault_id, report.kid = meta.get("vault_id"), meta.get("kid")
     for key in REQUIRED_META:
         if key not in meta:
             report.add("meta", f"{key} is missing")
-    if "format" in meta and meta["format"] != FORMAT:
-        report.add("meta", f"unknown format {meta['format'][:40]!r} (this memvault: {FORMAT})")
+    if "format" in meta and meta["format"] != fmt:
+        report.add("meta", f"unknown format {meta['format'][:40]!r} (this memvault: {fmt})")
     if "vault_id" in meta and not _VAULT_ID.fullmatch(meta["vault_id"]):
         report.add("meta", f"vault_id {meta['vault_id'][:40]!r} is not a memvault vault id")
     revoked = "revoked_at" in meta
@@ -352,3 +368,24 @@ def _items(
         return
     if sealer is not None:
         report.authenticated = authenticated
+
+
+def _chains(
+    conn: sqlite3.Connection, report: VerifyReport, sealer: crypto.Sealer, meta: dict[str, str]
+) -> None:
+    """Every session's rows judged against its head: the first problem of each, by kind."""
+    from vault.engines.sqlite import chainrows
+
+    if meta.get(chainops.CHAIN_META) != chainops.ON:
+        report.add(
+            "history_chain",
+            "the upgrade has not linked the history yet: any "
+            "command that uses the key (`memvault show SESSION`) links it",
+        )
+        return
+    keys = chainops.keys_for(sealer, meta["vault_id"])
+    for sid in chainrows.judged_sessions(conn):
+        verdict = chainrows.judge(conn, keys, sid)
+        if verdict.kind is not None:
+            at = "" if verdict.index is None else f" (its item #{verdict.index + 1})"
+            report.add("history_chain", f"session {sid[:60]!r}: {verdict.kind.value}{at}")

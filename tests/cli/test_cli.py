@@ -241,7 +241,7 @@ def test_purge_deletes_only_authenticated_expired_items(vault: Any, vault_db: Pa
         env = json.loads(foreign)
         env["kid"] = vault.sealer().kid  # pass the trigger; still unreadable under our key
         conn.execute(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)",
+            "INSERT INTO agent_messages (session_id, message_data, chain) VALUES ('s', ?, 'x')",
             (json.dumps(env),),
         )
     conn.close()

@@ -86,7 +86,9 @@ def test_corrupt_row(vault: Any, vault_db: Path) -> None:
         conn.execute("UPDATE agent_messages SET message_data = '{not json'")
     conn.close()
     before = snapshot(vault_db)
-    one_line(run_cli("show", "s"), 1, "failed authentication", "nothing was changed")
+    one_line(run_cli("show", "s"), 1, "does not verify (unauthenticated)", "nothing was read")
+    r = run_cli("show", "s", "--include-tampered")
+    one_line(r, 1, "failed authentication", "nothing was changed")
     one_line(run_cli("pop", "s", "--yes"), 1, "does not authenticate")
     assert run_cli("--json", "status").json()["items"] == 1  # counted, not authenticated
     assert snapshot(vault_db) == before
@@ -107,9 +109,12 @@ def test_tampered_token(vault: Any, vault_db: Path) -> None:
         )
     conn.close()
     before = snapshot(vault_db)
-    r = run_cli("show", "s")
+    one_line(run_cli("show", "s"), 1, "does not verify (unauthenticated)", "nothing was read")
+    r = run_cli("show", "s", "--include-tampered")
     one_line(r, 1, "1 item of session", "failed authentication")
-    assert r.out.strip() == "#2 user: two"  # numbered among the stored items, as export does
+    first, shown = r.out.strip().splitlines()
+    assert first.startswith("TAMPERED: ") and "unauthenticated" in first
+    assert shown == "#2 user: two"  # numbered among the stored items, as export does
     assert snapshot(vault_db) == before
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from tests.chainkit import insert_chained
 from tests.conftest import keyring_entries, keyring_items, run_cli
 from tests.crashkit import (
     ROOT,
@@ -102,9 +103,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
         conn.executemany(
             "INSERT INTO agent_sessions (session_id) VALUES (?)", [(s,) for s in [*SESSIONS, "old"]]
         )
-        conn.executemany(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", rows
-        )
+        insert_chained(conn, sealer, rows)
     assert (
         run_cli(
             "--db",
@@ -130,10 +129,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     conn.execute("PRAGMA wal_autocheckpoint = 0")
     conn.execute("BEGIN IMMEDIATE")
     conn.execute("INSERT INTO agent_sessions (session_id) VALUES ('bulk')")
-    conn.executemany(
-        "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
-        _seal_rows(sealer, "bulk", bulk, now),
-    )
+    insert_chained(conn, sealer, _seal_rows(sealer, "bulk", bulk, now))
     conn.execute("COMMIT")
     # The files as a crash would leave them (the connection is still open).
     files = {p.name: p.read_bytes() for p in (db, wal_of(db))}

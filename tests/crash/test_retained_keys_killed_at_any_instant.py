@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.chainkit import insert_chained
 from tests.conftest import ROOT, keyring_entries, run_cli
 from tests.crashkit import put_back
 from vault.engines.sqlite.vault import Vault, shred
@@ -73,9 +74,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         conn.executemany(
             "INSERT INTO agent_sessions (session_id) VALUES (?)", [(s,) for s in expected]
         )
-        conn.executemany(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", rows
-        )
+        insert_chained(conn, sealer, rows)
         conn.execute("COMMIT")
     backup = folder / "backup.db"
     r = run_cli("--db", str(db), "backup", str(backup))

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from tests.chainkit import insert_chained
 from tests.conftest import authenticated_counts, keyring_entries, raw_bytes, run_cli
 from tests.crashkit import first_line, put_back, start_writer, writer_items
 from vault import crypto
@@ -102,9 +103,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BigVault]:
         conn.executemany(
             "INSERT INTO agent_sessions (session_id) VALUES (?)", [(s,) for s in sorted(expected)]
         )
-        conn.executemany(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)", rows
-        )
+        insert_chained(conn, sealer, rows)
         conn.execute("COMMIT")
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         stored = conn.execute("SELECT id, message_data FROM agent_messages").fetchall()

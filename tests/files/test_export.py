@@ -310,13 +310,19 @@ def test_unreadable_items_are_counted_never_written(
     add_items(vault_db, "s", [user("one"), user("two SECRET-TWO"), user("three")])
     tamper(vault_db, "s", 1)
     out = tmp_path / "out.jsonl"
+    # In a chained session an item that fails authentication is tampering: refused first,
+    # before any file is made...
     r = run_cli("--json", "export", "s", "-o", str(out))
+    assert r.code == 1 and "does not verify (unauthenticated)" in r.out, r
+    assert not out.exists()
+    # ...and with --include-tampered, exported marked, the item counted, never written.
+    r = run_cli("--json", "export", "s", "-o", str(out), "--include-tampered")
     assert r.code == 1, r
     assert r.json()["unreadable"] == 1 and r.json()["items"] == 2
     assert "1 item of the exported sessions failed authentication" in r.err
-    assert [(x["position"], x["item"]) for x in jsonl(out)] == [
-        (1, user("one")),
-        (3, user("three")),
+    assert [(x["position"], x["item"], x["tampered"]) for x in jsonl(out)] == [
+        (1, user("one"), "unauthenticated"),
+        (3, user("three"), "unauthenticated"),
     ]
     assert "SECRET-TWO" not in out.read_text()
 

@@ -70,8 +70,9 @@ def test_trigger_rejects_malformed_rows(vault: Any, vault_db: Path, data: str) -
     add_items(vault_db, "s", [user("x")])
     conn = sqlite3.connect(vault_db)
     with pytest.raises(sqlite3.IntegrityError), conn:
-        conn.execute(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)", (data,)
+        conn.execute(  # with a chain link, so that the envelope's clause is what refuses it
+            "INSERT INTO agent_messages (session_id, message_data, chain) VALUES ('s', ?, 'x')",
+            (data,),
         )
     with pytest.raises(sqlite3.IntegrityError), conn:
         conn.execute("UPDATE agent_messages SET message_data = ?", (data,))

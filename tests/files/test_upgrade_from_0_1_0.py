@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import authenticated_counts, keyring_entries, run_cli
 from vault import crypto
-from vault.engines.sqlite.schema import FORMAT
+from vault.engines.sqlite.schema import FILE_FORMAT
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 from vault.verify import expected_triggers
@@ -105,7 +105,7 @@ def meta_of(db: Path) -> dict[str, str]:
 def assert_moved(db: Path, vault_id: str, key: str) -> None:
     """The 0.1.0 names are gone; the file's key is under its own version's name."""
     meta = meta_of(db)
-    assert meta["format"] == FORMAT and "legacy_entries" not in meta, meta
+    assert meta["format"] == FILE_FORMAT and "legacy_entries" not in meta, meta
     assert crypto.key_id(key) == meta["kid"]
     assert keyring_entries(vault_id) == {entry_name(vault_id, meta["kid"]): key}
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from tests.conftest import run_cli
-from vault.engines.sqlite.schema import FORMAT
+from vault.engines.sqlite.schema import FILE_FORMAT
 from vault.keys import KeyStore
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v0_2_0"
@@ -61,7 +61,10 @@ def test_a_0_2_0_vault_reads_every_item_and_moves_to_the_current_format(
         r = run_cli("--db", str(db), "--json", "show", sid)
         assert r.code == 0, r
         assert r.json()["items"] == items, r.out
-    assert meta_of(db)["format"] == FORMAT == "memvault/3"
+    # memvault/4: chained (m010), which 0.2 (memvault/2) and 0.3 before the chain
+    # (memvault/3) refuse; the rows the file had are linked by this first open.
+    assert meta_of(db)["format"] == FILE_FORMAT == "memvault/4"
+    assert meta_of(db)["chain"] == "on"
     r = run_cli("--db", str(db), "--json", "verify")
     assert r.code == 0, r
     r = run_cli("--db", str(db), "--json", "key", "list")

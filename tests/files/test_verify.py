@@ -95,7 +95,8 @@ def test_tampered_items_are_counted_across_batches(vault: Vault, vault_db: Path)
     code, doc, _ = verify_json()
     assert code == 1
     assert doc["ok"] is False
-    assert doc["problems"] == {**NONE, "unauthenticated_items": 2}
+    # Each in a chained session: its session's history does not verify either.
+    assert doc["problems"] == {**NONE, "unauthenticated_items": 2, "history_chain": 2}
     assert (doc["items"], doc["authenticated"]) == (total, total - 2)
     assert "unauthenticated_items" in doc["fixes"]
 
@@ -162,14 +163,21 @@ def test_m003s_guard_under_a_recorded_m008_is_reported(vault: Vault, vault_db: P
 
 def test_a_file_not_yet_given_m008_is_judged_by_m003s_guard(vault: Vault, vault_db: Path) -> None:
     """A file an older memvault wrote has m003's triggers until a command migrates it:
-    verify reports the migration, not the triggers, and still finds a tampered one."""
+    verify reports the migrations, not the triggers, and still finds a tampered one."""
     filled(vault_db)
     put_back_m003s_guard(vault_db)
-    sql(vault_db, "DELETE FROM memvault_migrations WHERE name = 'm008_guard_triggers_text_first'")
+    sql(
+        vault_db,
+        "DELETE FROM memvault_migrations "
+        "WHERE name IN ('m008_guard_triggers_text_first', 'm010_history_chain')",
+    )
     code, doc, err = verify_json()
     assert code == 1, err
-    assert doc["problems"] == {**NONE, "schema": 1}
-    assert doc["details"]["schema"] == ["migration m008_guard_triggers_text_first is not applied"]
+    assert doc["problems"] == {**NONE, "schema": 2}
+    assert doc["details"]["schema"] == [
+        "migration m008_guard_triggers_text_first is not applied",
+        "migration m010_history_chain is not applied",
+    ]
 
     sql(
         vault_db,
@@ -179,7 +187,7 @@ def test_a_file_not_yet_given_m008_is_judged_by_m003s_guard(vault: Vault, vault_
     )
     code, doc, err = verify_json()
     assert code == 1, err
-    assert doc["problems"] == {**NONE, "schema": 1, "guard_triggers": 1}
+    assert doc["problems"] == {**NONE, "schema": 2, "guard_triggers": 1}
     assert doc["details"]["guard_triggers"] == [
         "memvault_guard_update differs from the one memvault creates"
     ]

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from cryptography.fernet import Fernet
 
+from tests.chainkit import insert_chained
 from tests.conftest import (
     CLIResult,
     add_items,
@@ -43,6 +44,7 @@ from vault.engines.sqlite.vault import Vault
 from vault.errors import KeyRevoked
 from vault.keyjournal import entry_name
 from vault.keys import SERVICE
+from vault.vaultops import tally
 
 KILLED = -signal.SIGKILL
 
@@ -98,17 +100,17 @@ def insert_sealed(
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
         conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT OR IGNORE INTO agent_sessions (session_id) VALUES (?)", (session_id,))
-        conn.executemany(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
-            [(session_id, sealer.seal(session_id, item, ts)) for item, ts in items],
+        insert_chained(
+            conn, sealer, [(session_id, sealer.seal(session_id, item, ts)) for item, ts in items]
         )
         conn.execute("COMMIT")
 
 
 def insert_raw(db: Path, session_id: str, message_data: str) -> None:
+    """A row as someone without the key writes it: any text for its chain link."""
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
         conn.execute(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
+            "INSERT INTO agent_messages (session_id, message_data, chain) VALUES (?, ?, 'x')",
             (session_id, message_data),
         )
 
@@ -310,7 +312,9 @@ def test_rotate_keeps_unreadable_rows_and_counts_them(vault: Vault, vault_db: Pa
     assert report.counts["unreadable"] == 1
     # Nothing is deleted by a rotation: the forged row is still there, unchanged.
     assert forged.decode() in tokens(vault_db)
-    assert Vault.open(vault_db).items("s") == ([user("kept")], 0, 1)
+    fresh = Vault.open(vault_db)
+    assert tally(fresh.opened_items("s", include_tampered=True)) == ([user("kept")], 0, 1)
+    assert fresh.history_verdict("s") == "unauthenticated"  # the forged row, not the rotation
 
 
 def test_cli_rotate_json_report(vault: Vault, vault_db: Path) -> None:

@@ -19,7 +19,6 @@ import vault as vault_pkg
 from tests.conftest import (
     ROOT,
     add_items,
-    authenticated_counts,
     key_entry,
     keyring_entries,
     raw_bytes,
@@ -231,16 +230,17 @@ def test_the_guard_is_no_defence_against_someone_who_can_write_the_file(
             (json.dumps(user("planted")),),
         )
     conn.close()
-    # ...but what they plant does not authenticate, so the vault never shows it...
-    assert authenticated_counts(vault_db) == (0, 0, 1)
+    # ...but what they plant does not authenticate, so the vault never shows it: in a
+    # chained session it is tampering, and the whole session is refused...
     r = run_cli("show", "s")
-    assert r.code == 1 and "failed authentication" in r.err, r
+    assert r.code == 1 and "does not verify (unauthenticated)" in r.err, r
     assert "planted" not in r.out + r.err
-    # ...and `verify` reports both the planted row and the dropped trigger.
+    # ...and `verify` reports the planted row, its session and the dropped trigger.
     r = run_cli("--json", "verify")
     assert r.code == 1, r
     doc = r.json()
     assert doc["problems"]["unauthenticated_items"] == 1, doc
+    assert doc["details"]["history_chain"] == ["session 's': unauthenticated"]  # no head either
     assert (doc["items"], doc["authenticated"]) == (1, 0)
     assert any("memvault_guard_insert is missing" in d for d in json.dumps(doc).split('"')), doc
 
@@ -258,13 +258,17 @@ def test_the_guard_checks_the_token_head_not_the_payload_and_verify_catches_it(
     add_items(vault_db, "s", [user("a real item")])
     planted = raw_envelope(vault_db, "gAAAAA my card 4111 1111 1111 1111")
     with sqlite3.connect(vault_db) as conn:
-        conn.execute(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)", (planted,)
+        conn.execute(  # any text in the chain column passes the guard: it cannot check a MAC
+            "INSERT INTO agent_messages (session_id, message_data, chain) VALUES ('s', ?, 'x')",
+            (planted,),
         )
     conn.close()
     assert b"my card 4111" in raw_bytes(vault_db)
     # ...where it never authenticates: memvault never shows it and `verify` reports it.
     r = run_cli("show", "s")
+    assert r.code == 1 and "does not verify (unauthenticated)" in r.err, r
+    assert "4111" not in r.out + r.err
+    r = run_cli("show", "s", "--include-tampered")
     assert r.code == 1 and "failed authentication" in r.err and "a real item" in r.out, r
     assert "4111" not in r.out + r.err
     r = run_cli("--json", "verify")
@@ -273,40 +277,41 @@ def test_the_guard_checks_the_token_head_not_the_payload_and_verify_catches_it(
     assert "4111" not in r.out + r.err
 
 
-def session_rows(vault_db: Path, session_id: str) -> list[tuple[int, str]]:
+def session_rows(vault_db: Path, session_id: str) -> list[tuple[int, str, str]]:
     with sqlite3.connect(vault_db) as conn:
         got = conn.execute(
-            "SELECT id, message_data FROM agent_messages WHERE session_id = ? ORDER BY id",
+            "SELECT id, message_data, chain FROM agent_messages WHERE session_id = ? ORDER BY id",
             (session_id,),
         ).fetchall()
     conn.close()
     return got
 
 
-def test_swapped_duplicated_or_replayed_envelopes_within_a_session_still_verify(
+def test_swapped_duplicated_or_replayed_envelopes_within_a_session_are_detected(
     vault: Any, vault_db: Path, tmp_path: Path
 ) -> None:
-    # The known limit (SECURITY.md): an envelope authenticates its session, not its place
-    # in it, so reordering, copying or bringing back valid envelopes of the same session
-    # is not detected yet. When detection lands, this test is inverted.
+    # An envelope authenticates its session; its chain link, its place in it (the history
+    # chain): reordering, copying or bringing back valid rows, links and all, is named.
     add_items(vault_db, "s", [user("first"), user("second"), user("third")])
     copy = tmp_path / "older.db"
     shutil.copy(vault_db, copy)
     assert run_cli("pop", "s").code == 0
-    (id1, one), (id2, two) = session_rows(vault_db, "s")
-    popped = session_rows(copy, "s")[2][1]  # the item `pop` removed, from an older copy
+    (id1, one, l1), (id2, two, l2) = session_rows(vault_db, "s")
+    popped = session_rows(copy, "s")[2][1:]  # the item `pop` removed, from an older copy
     with sqlite3.connect(vault_db) as conn:
-        conn.execute("UPDATE agent_messages SET message_data = ? WHERE id = ?", (two, id1))
-        conn.execute("UPDATE agent_messages SET message_data = ? WHERE id = ?", (one, id2))
-        for data in (one, popped):
+        for data, link, at in ((two, l2, id1), (one, l1, id2)):
             conn.execute(
-                "INSERT INTO agent_messages (session_id, message_data) VALUES ('s', ?)", (data,)
+                "UPDATE agent_messages SET message_data = ?, chain = ? WHERE id = ?",
+                (data, link, at),
+            )
+        for data, link in ((one, l1), popped):
+            conn.execute(
+                "INSERT INTO agent_messages (session_id, message_data, chain) VALUES ('s', ?, ?)",
+                (data, link),
             )
     conn.close()
-    r = run_cli("--json", "show", "s")
-    assert r.code == 0, r
-    texts = [json.dumps(i) for i in r.json()["items"]]
-    order = [next(w for w in ("first", "second", "third") if w in t) for t in texts]
-    assert order == ["second", "first", "first", "third"]
+    r = run_cli("show", "s")
+    assert r.code == 1 and r.out == "" and "does not verify (swapped)" in r.err, r
     r = run_cli("--json", "verify")
-    assert r.code == 0 and r.json()["ok"] is True, r
+    assert r.code == 1, r
+    assert r.json()["details"]["history_chain"] == ["session 's': swapped (its item #1)"], r

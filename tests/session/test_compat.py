@@ -162,6 +162,8 @@ SDK_METHODS: dict[str, str] = {
     "SQLiteSession._check_not_closed": "(self)",
     "SQLiteSession._close_connections_from_exited_threads": "(self)",
     "SQLiteSession._pop_item_with_validation": "(self, validate=None)",
+    "SQLiteSession._insert_items": "(self, conn, items)",
+    "SQLiteSession._locked_connection": "(self)",
     "SQLiteSession._get_compaction_snapshot": "(self, limit, *, prune_prefix=None)",
     "EncryptedSession._unwrap": "(self, item)",
     "EncryptedSession._get_compaction_snapshot": "(self, limit)",
@@ -361,7 +363,7 @@ def test_sdk_pop_authenticates_before_it_deletes(vault: Any, vault_db: Path) -> 
     conn = sqlite3.connect(vault_db)
     with conn:
         conn.execute(
-            "INSERT INTO agent_messages (session_id, message_data) VALUES (?, ?)",
+            "INSERT INTO agent_messages (session_id, message_data, chain) VALUES (?, ?, 'x')",
             ("s", json.dumps(forged)),
         )
     conn.close()
@@ -490,4 +492,29 @@ def test_sdk_passes_the_run_context_as_wrapper(vault: Any, vault_db: Path) -> No
     assert {kind for kind, _ in seen} == {"get", "add"}
     assert all(isinstance(w, RunContextWrapper) for _, w in seen), seen
     assert asyncio.run(s.get_items())[0] == {"content": "hello", "role": "user"}
+    s.close()
+
+
+def test_sdk_add_items_inserts_through_insert_items_in_its_transaction(tmp_path: Path) -> None:
+    """`_insert_items`: the SDK's add_items calls it with its connection inside the write
+    transaction it then commits, so the links and the head commit with the rows."""
+    seen: list[bool] = []
+
+    class Probe(SQLiteSession):
+        def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
+            super()._insert_items(conn, items)
+            seen.append(conn.in_transaction)
+
+    s = Probe("s", tmp_path / "plain.db")
+    asyncio.run(s.add_items([user("x"), user("y")]))
+    assert seen == [True]
+    assert len(asyncio.run(s.get_items())) == 2
+    s.close()
+
+
+def test_sdk_locked_connection_is_the_threads_connection(tmp_path: Path) -> None:
+    """`_locked_connection`: yields `_get_connection()`'s connection, under the session's lock."""
+    s = SQLiteSession("s", tmp_path / "plain.db")
+    with s._locked_connection() as conn:
+        assert conn is s._get_connection()
     s.close()

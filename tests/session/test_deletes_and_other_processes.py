@@ -326,6 +326,7 @@ def test_compaction_session_over_a_vault_session(vault: Any, vault_db: Path, ttl
     assert compactor.calls, "compaction did not run"
     assert "summary" in json.dumps(items)
     assert all(json.loads(r)["kid"] == Vault.open(vault_db).sealer().kid for r in rows(vault_db))
+    assert Vault.open(vault_db).history_verdict("s") is None  # the replace kept the chain
 
 
 # -- 6. a garbage TTL in the file ------------------------------------------------

@@ -143,19 +143,21 @@ def test_item_time_sql_is_null_for_rows_without_a_token() -> None:
 
 def test_purge_across_batches_deletes_exactly_the_expired(vault: Any, vault_db: Path) -> None:
     now = int(time.time())
-    # 2,500 items, more than two batches of 1,000, expired ones spread over all of them.
+    # 2,500 items, more than two batches of 1,000, expired ones spread over all of them:
+    # each of five sessions starts with its expired items (a purge takes a prefix).
     for chunk in range(5):
         fresh = [user(f"keep {chunk}-{i}") for i in range(400)]
         old = [user(f"old {chunk}-{i}") for i in range(100)]
-        insert_sealed(vault_db, "s", old, now - 7200)  # ttl is 1h
-        insert_sealed(vault_db, "s", fresh, now)
+        insert_sealed(vault_db, f"s{chunk}", old, now - 7200)  # ttl is 1h
+        insert_sealed(vault_db, f"s{chunk}", fresh, now)
     report = vault.purge(now=now)
     assert report.counts == {"deleted": 500, "kept": 2000, "unreadable": 0}
-    left = [crypto.parse_envelope(r) for r in rows(vault_db, "s")]
-    assert len(left) == 2000
-    items, expired, unreadable = vault.items("s", now=now)
-    assert (expired, unreadable) == (0, 0)
-    assert all(i["content"].startswith("keep") for i in items) and len(items) == 2000
+    for chunk in range(5):
+        left = [crypto.parse_envelope(r) for r in rows(vault_db, f"s{chunk}")]
+        assert len(left) == 400
+        items, expired, unreadable = vault.items(f"s{chunk}", now=now)
+        assert (expired, unreadable) == (0, 0)
+        assert all(i["content"].startswith("keep") for i in items) and len(items) == 400
 
 
 def test_status_counts_a_forged_old_timestamp_as_expired_but_purge_keeps_it(

@@ -64,6 +64,11 @@ def _unreadable(n: int, session_word: str, what: str) -> VaultError:
     "--force", is_flag=True, help="Replace FILE if it is an earlier export (or an empty file)."
 )
 @click.option("--include-expired", is_flag=True, help="Also export items past the TTL.")
+@click.option(
+    "--include-tampered",
+    is_flag=True,
+    help="Also export a session whose history does not verify, marked as tampered.",
+)
 @common
 def export_cmd(
     session_ids: tuple[str, ...],
@@ -72,6 +77,7 @@ def export_cmd(
     output: str,
     force: bool,
     include_expired: bool,
+    include_tampered: bool,
 ) -> None:
     """Write the decrypted history of SESSIONs (or --all) to FILE, in plaintext.
 
@@ -87,7 +93,10 @@ def export_cmd(
     the vault or its -wal, -shm, -journal (by any name) is always refused:
     exit 2. Items past the TTL are left out unless --include-expired. Items
     that fail authentication are never written: they are counted, and the
-    command then exits 1. A line on stderr always says the output is plaintext.
+    command then exits 1. A session whose history chain does not verify
+    (reordered, replayed, cut) is refused, exit 1, unless --include-tampered,
+    which marks it ("tampered" in each JSONL record, a line in md). A line on
+    stderr always says the output is plaintext.
     With -o -, the export goes to stdout and --json is refused.
 
     \b
@@ -113,6 +122,7 @@ def export_cmd(
         fmt,
         force,
         include_expired,
+        include_tampered,
     )
     click.echo(PLAINTEXT_WARNING, err=True)
     stream = sys.stdout.buffer if to_stdout else None

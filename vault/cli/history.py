@@ -87,13 +87,20 @@ def _size(vault: AnyVault, session_id: str) -> int:
     help="Only the newest N items.",
 )
 @click.option("--include-expired", is_flag=True, help="Also show items past the TTL.")
+@click.option(
+    "--include-tampered",
+    is_flag=True,
+    help="Show a session whose history does not verify, marked as tampered.",
+)
 @common
-def show(session_id: str, limit: int | None, include_expired: bool) -> None:
+def show(session_id: str, limit: int | None, include_expired: bool, include_tampered: bool) -> None:
     """Print the decrypted items of SESSION, oldest first.
 
     Each item is numbered #position, as in `export` and `search`: its place
     among every stored item of the session (1 = oldest). Items past the TTL
-    are left out unless --include-expired, which marks them (expired).
+    are left out unless --include-expired, which marks them (expired). A
+    session whose history chain does not verify (reordered, replayed, cut) is
+    refused, exit 1, unless --include-tampered, which marks it.
 
     \b
     Example:
@@ -107,7 +114,12 @@ def show(session_id: str, limit: int | None, include_expired: bool) -> None:
         # Only the newest rows are read: the session's size (counted just before, in
         # SQL) numbers them as export and search do.
         size = _size(vault, session_id)
-    opened = list(vault.opened_items(session_id, limit, include_expired=include_expired))
+    tampered = vault.history_verdict(session_id) if include_tampered else None
+    opened = list(
+        vault.opened_items(
+            session_id, limit, include_expired=include_expired, include_tampered=include_tampered
+        )
+    )
     if limit is not None:
         first = max(size - len(opened), 0) + 1
     shown: list[tuple[int, bool, Any]] = []
@@ -124,6 +136,11 @@ def show(session_id: str, limit: int | None, include_expired: bool) -> None:
     items = [item for _, _, item in shown]
 
     def human() -> None:
+        if tampered is not None:
+            click.echo(
+                f"TAMPERED: the history of session {escape_line(session_id)} does not verify "
+                f"({tampered})"
+            )
         if not opened:
             say(f"session {session_id} is empty")
         for position, old, it in shown:
@@ -142,6 +159,8 @@ def show(session_id: str, limit: int | None, include_expired: bool) -> None:
         "expired": expired,
         "unreadable": unreadable,
     }
+    if tampered is not None:
+        data["tampered"] = tampered
     emit(data, human)
     if unreadable:
         raise VaultError(

@@ -168,11 +168,16 @@ class PgVault(pgkept.PgKeptVersions, ImportsFiles, ReadsItems):
         limit: int | None = None,
         now: int | None = None,
         include_expired: bool = False,
+        include_tampered: bool = False,  # no chain on PostgreSQL yet: nothing to refuse
     ) -> Iterator[crypto.Opened]:
         """As `Vault.opened_items`: for export and search (vault.engines.postgres.read)."""
         from vault.engines.postgres.read import opened_items
 
         return opened_items(self, session_id, limit, now, include_expired)
+
+    def history_verdict(self, session_id: str) -> str | None:
+        """None: PostgreSQL's history is not chained yet (docs/history-chain.md)."""
+        return None
 
     def status(self, now: int | None = None) -> dict[str, Any]:
         """What `memvault status` shows; the file fields say they do not apply."""

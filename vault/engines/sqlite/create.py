@@ -25,7 +25,7 @@ from typing import TypeVar
 from vault import crypto, durations, erase, files, keyjournal, paths, targets, testhooks
 from vault.engines.sqlite.db import VaultFile, audit
 from vault.engines.sqlite.lifecycle import KeyLifecycle
-from vault.engines.sqlite.schema import FORMAT, SQLITE_MAGIC, migrate, utcnow
+from vault.engines.sqlite.schema import FILE_FORMAT, SQLITE_MAGIC, migrate, utcnow
 from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
@@ -188,7 +188,7 @@ def _build(
         conn.execute("PRAGMA journal_mode = WAL")
     with vault.write_transaction() as conn:
         migrate(conn)
-        meta = {**new_meta(FORMAT, vault_id, kid, ttl, utcnow()), **rows}
+        meta = {**new_meta(FILE_FORMAT, vault_id, kid, ttl, utcnow()), **rows}
         conn.executemany("INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items())
         keyjournal.record(conn, kid, CURRENT)
         audit(conn, "init", kid, ttl=durations.format_duration(ttl))

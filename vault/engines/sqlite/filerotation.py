@@ -36,6 +36,7 @@ from vault.keyload import refuse_revoked
 from vault.keysource.store import prewrap, refuse_moved
 
 if TYPE_CHECKING:
+    from vault.chain import ChainKey
     from vault.keys import KeyStore
 
 
@@ -98,21 +99,29 @@ def cut_off(meta: dict[str, str]) -> bool:
 class FileRows:
     """vault.rotation's `RotationRows` over one connection to a vault file."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, chain_keys: tuple[ChainKey, ChainKey]
+    ) -> None:
         self.conn = conn
         self.path = path
+        self.chain_keys = chain_keys  # (old, new): each row's link is re-MACed as it moves
+        # Each row's link as read with its text (no lock held): written re-MACed only
+        # where the row still holds both (a batch reads nothing under the lock).
+        self.links: dict[int, str | None] = {}
 
     def read_rows(self, after: int, limit: int, naming: str | None = None) -> list[rotation.Row]:
-        sql = f"SELECT id, session_id, message_data FROM {MESSAGES_TABLE} WHERE id > ? "
+        sql = f"SELECT id, session_id, message_data, chain FROM {MESSAGES_TABLE} WHERE id > ? "
         args: tuple[object, ...] = (after, limit)
         if naming is not None:
             sql += "AND instr(message_data, ?) > 0 "
             args = (after, naming, limit)
         self.conn.execute("BEGIN")  # a read transaction: no lock a writer waits for
         try:
-            return self.conn.execute(sql + "ORDER BY id LIMIT ?", args).fetchall()
+            found = self.conn.execute(sql + "ORDER BY id LIMIT ?", args).fetchall()
         finally:
             self.conn.execute("COMMIT")
+        self.links.update((row_id, link) for row_id, _sid, _data, link in found)
+        return [(row_id, sid, data) for row_id, sid, data, _link in found]
 
     def last_id(self) -> int:
         """The highest row id (0 for none): how far the batches go, at most."""
@@ -130,13 +139,22 @@ class FileRows:
                 conn.execute("ROLLBACK")
                 return None
             before = conn.total_changes
+            # Whichever process re-encrypted the rows (this one or the workers), the link
+            # is re-MACed here, under the lock, in the UPDATE that stores the new text.
+            from vault.engines.sqlite import chainrows  # here: every command imports this module
+
+            old, new = self.chain_keys
             conn.executemany(
-                f"UPDATE {MESSAGES_TABLE} SET message_data = ? WHERE id = ? AND message_data = ?",
-                updates,
+                f"UPDATE {MESSAGES_TABLE} SET message_data = ?, chain = ? "
+                "WHERE id = ? AND message_data = ? AND chain IS ?",
+                chainrows.remac_updates(old, new, updates, self.links),
             )
             written = conn.total_changes - before
             if progress is not None:
                 set_meta(conn, **{PROGRESS: str(progress)})
+                # The batch's rows not moved (unreadable, or new already) need no link now.
+                for row_id in [k for k in self.links if k <= progress]:
+                    del self.links[row_id]
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -191,6 +209,14 @@ def _switch(lc: KeyLifecycle, old: crypto.Sealer, new: crypto.Sealer) -> bool:
             )
             keyjournal.record(conn, old.kid, RETIRED)
             keyjournal.record(conn, new.kid, CURRENT)
+            # The heads move to the new key with the switch: a writer from here on holds
+            # only the new key, and the old one is retired once the rows have moved.
+            from vault import chainops
+            from vault.engines.sqlite import chainrows
+
+            chainrows.remac_heads(
+                conn, chainops.key_of(old, vault_id), chainops.key_of(new, vault_id)
+            )
             committed = True  # from here the outcome of a failure is unknown
             conn.execute("COMMIT")
         finally:
@@ -222,7 +248,10 @@ def finish(
                 with lc.write_transaction() as w:  # this process carries it on now
                     set_meta(w, **{OWNER: owner()})
             begin = int(meta.get(PROGRESS, "0") or 0)
-            rows = FileRows(conn, lc.path)
+            from vault import chainops
+
+            keys = (chainops.key_of(old, lc.vault_id), chainops.key_of(new, lc.vault_id))
+            rows = FileRows(conn, lc.path, keys)
             moved = rotation.move_rows(
                 rows,
                 old,

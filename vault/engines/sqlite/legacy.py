@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from vault import crypto, keyjournal, testhooks
 from vault.engines.sqlite.db import audit, read_meta, set_meta
-from vault.engines.sqlite.schema import FORMAT, LEGACY_FORMAT, migrate
+from vault.engines.sqlite.schema import FILE_FORMAT, LEGACY_FORMAT, migrate
 from vault.errors import KeyMismatch, VaultBusy
 from vault.keyjournal import CURRENT, DESTROYED, entry_name
 from vault.keys import require_key
@@ -76,7 +76,7 @@ def upgrade(vault: VaultFile, ks: KeyStore, meta: dict[str, str]) -> str | None:
                 not crypto.is_valid_key(current) or crypto.key_id(current) in history
             ):
                 ours.insert(0, vault_id)
-            set_meta(conn, format=FORMAT, **{keyjournal.LEGACY_MARK: json.dumps(ours)})
+            set_meta(conn, format=FILE_FORMAT, **{keyjournal.LEGACY_MARK: json.dumps(ours)})
             audit(conn, "upgrade", kid, keyring="one entry per key version")
             conn.execute("COMMIT")
     except VaultBusy:

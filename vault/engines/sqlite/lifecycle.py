@@ -105,6 +105,15 @@ class KeyLifecycle(KeptVersions):
             self.keystore, str(self.path), snapshot, fresh_meta=self.meta, own_key=own_key
         )
         self._sealer = sealer
+        if meta.get("chain") != "on" and not backupmark.is_backup(meta):
+            # The first command that holds the key after the upgrade links the rows the
+            # file had (any command: verify too, as it moves a 0.1.0 key). Imported here:
+            # every command loads this module, few need the chain.
+            from vault import chainops
+            from vault.engines.sqlite import chainrows
+
+            vid = meta["vault_id"]
+            chainrows.build(self, chainops.key_of(sealer, vid), chainops.keys_for(sealer, vid))
         if (
             meta["format"] == LEGACY_FORMAT
             or keyjournal.LEGACY_MARK in meta

@@ -13,12 +13,15 @@ import datetime as _dt
 import sqlite3
 from collections.abc import Callable
 
+# A file's format: every session's history chained (m010); older releases refuse it.
+FILE_FORMAT = "memvault/4"
+# memvault/3: a PostgreSQL vault's format (vault.engines.postgres), and a file's before m010.
 FORMAT = "memvault/3"
 # 0.2's files: moved to FORMAT by m009 on their first open (0.2 then refuses them: its
 # start-up tidy would destroy the key versions kept for backups).
 PREVIOUS_FORMAT = "memvault/2"
 # 0.1.0's files: the same tables, but the key in the keyring under the bare vault id.
-# Such a file moves to FORMAT on its first open that has the key (vault.engines.sqlite.legacy).
+# Such a file moves to FILE_FORMAT on its first open with the key (engines.sqlite.legacy).
 LEGACY_FORMAT = "memvault/1"
 DEFAULT_TTL = 30 * 86400
 SESSIONS_TABLE = "agent_sessions"
@@ -288,8 +291,8 @@ _NOT_SEALED = f"""
 """
 
 
-@migration
-def m008_guard_triggers_text_first(conn: sqlite3.Connection) -> None:
+def _guard(conn: sqlite3.Connection, refused: str) -> None:
+    """The two guard triggers, replaced by ones that refuse a row when `refused` holds."""
     for name, event in (
         ("memvault_guard_insert", "INSERT"),
         ("memvault_guard_update", "UPDATE OF message_data"),
@@ -297,9 +300,14 @@ def m008_guard_triggers_text_first(conn: sqlite3.Connection) -> None:
         conn.execute(f"DROP TRIGGER IF EXISTS {name}")
         conn.execute(
             f"""CREATE TRIGGER {name}
-            BEFORE {event} ON {MESSAGES_TABLE} WHEN {_NOT_SEALED}
+            BEFORE {event} ON {MESSAGES_TABLE} WHEN {refused}
             BEGIN SELECT RAISE(ABORT, '{GUARD_MESSAGE.replace("'", "''")}'); END"""
         )
+
+
+@migration
+def m008_guard_triggers_text_first(conn: sqlite3.Connection) -> None:
+    _guard(conn, _NOT_SEALED)
 
 
 # The journal's states from m009 on: `retained` is a retired version whose entry is kept,
@@ -340,6 +348,27 @@ def m009_retained_keys_and_backups(conn: sqlite3.Connection) -> None:
     conn.execute(
         "UPDATE memvault_meta SET value = ? WHERE key = 'format' AND value = ?",
         (FORMAT, PREVIOUS_FORMAT),
+    )
+
+
+@migration
+def m010_history_chain(conn: sqlite3.Connection) -> None:
+    # The links need the key: a file with rows is "building" until the first open with
+    # it links them (chainrows.build). Each step is idempotent: a lost record reruns it.
+    if "chain" not in {c[1] for c in conn.execute(f"PRAGMA table_info({MESSAGES_TABLE})")}:
+        conn.execute(f"ALTER TABLE {MESSAGES_TABLE} ADD COLUMN chain TEXT")
+    heads = "memvault_chain_heads (session_id TEXT PRIMARY KEY, head TEXT NOT NULL)"
+    conn.execute(f"CREATE TABLE IF NOT EXISTS {heads}")
+    rows = conn.execute(f"SELECT 1 FROM {MESSAGES_TABLE} LIMIT 1").fetchone()
+    set_chain = "INSERT OR IGNORE INTO memvault_meta (key, value) VALUES ('chain', ?)"
+    conn.execute(set_chain, ("building" if rows else "on",))
+    # A row with no link is refused first: triggers cannot compute a MAC, so this stops
+    # accidents (a bare SQLiteSession); the links' MACs stop an attacker.
+    _guard(conn, f"CASE WHEN NEW.chain IS NULL THEN 1 ELSE {_NOT_SEALED.strip()} END")
+    # A 0.1.0 file keeps its format: vault.engines.sqlite.legacy moves it (its keys first).
+    conn.execute(
+        "UPDATE memvault_meta SET value = ? WHERE key = 'format' AND value = ?",
+        (FILE_FORMAT, FORMAT),
     )
 
 

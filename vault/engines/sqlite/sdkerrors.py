@@ -1,4 +1,5 @@
-"""What the SDK session's SQLite calls raise and read, made safe for the vault.
+"""What the SDK session's SQLite calls raise and read, made safe for the vault, and
+how the session tells that its file is still the one it opened.
 
 An error is both the vault's (its message and exit code) and the SDK's `sqlite3`
 class; a stored row the SDK's decoding would crash on reaches it as a row it skips.
@@ -7,12 +8,13 @@ class; a stored row the SDK's decoding would crash on reaches it as a row it ski
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from vault import crypto
 from vault.engines.sqlite.db import translate
-from vault.errors import VaultError
+from vault.errors import NotAVault, VaultError
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -70,3 +72,23 @@ def undecodable_rows_as_none(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> tu
         except (ValueError, RecursionError):
             return (None,)
     return row
+
+
+def file_identity(path: Path) -> tuple[int, int]:
+    """The file at `path` (device, inode): NotAVault when it is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise NotAVault(
+            f"the vault at {path} is gone (shredded or moved) since this "
+            "session was opened; nothing was read or written"
+        ) from None
+    return st.st_dev, st.st_ino
+
+
+def check_identity(path: Path, identity: tuple[int, int]) -> None:
+    if file_identity(path) != identity:
+        raise NotAVault(
+            f"the vault at {path} was replaced since this session was opened; "
+            "nothing was read or written; open a new session"
+        )

@@ -22,7 +22,11 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
   so that `close()` closes every connection.
 - `SQLiteSession._pop_item_with_validation(validate)`: EncryptedSession.pop_item
   authenticates inside the delete's transaction through it (only while our
-  subclass keeps the SDK's `pop_item`); overridden to note that a row went.
+  subclass keeps the SDK's `pop_item`); overridden to note that a row went and move
+  the chain head back in that transaction.
+- `SQLiteSession._insert_items(conn, items)`: the insert in `add_items`'s transaction;
+  overridden to write each row's chain link and the session's head.
+- `SQLiteSession._locked_connection()`: a thread's connection under the SDK's lock.
 - `SQLiteSession._get_compaction_snapshot(limit, *, prune_prefix)`: None for a
   subclass, so `OpenAIResponsesCompactionSession` replaces history through our
   `clear_session`/`add_items` (audited, scrubbed), never in raw SQL.
@@ -48,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -58,10 +61,12 @@ from typing import TYPE_CHECKING, Any
 
 from agents import SessionSettings, SQLiteSession
 from agents.extensions.memory import EncryptedSession
+from agents.memory.session_settings import resolve_session_limit
 from cryptography.fernet import InvalidToken
 
-from vault import crypto
+from vault import chainops, crypto
 from vault.backupmark import is_backup, refuse
+from vault.engines.sqlite import chainrows, sdkerrors
 from vault.engines.sqlite.db import configure, is_busy, lock_timeout, parse_ttl
 from vault.engines.sqlite.schema import GUARD_MESSAGE
 from vault.engines.sqlite.sdkerrors import also_sqlite, sdk_error, undecodable_rows_as_none
@@ -93,11 +98,14 @@ class VaultSQLiteSession(SQLiteSession):
         session_settings: SessionSettings | dict[str, Any] | None = None,
     ) -> None:
         self._vault_path = db_path
-        self._identity = self._stat_identity()
+        self._identity = sdkerrors.file_identity(db_path)
         # Called with a connection when the file changed since that connection last looked.
         self.on_change: Callable[[sqlite3.Connection], None] | None = None
         self._versions: dict[sqlite3.Connection, int] = {}
         self.deleted = False  # set by a pop that removed a row, for the scrub
+        # The chain keys for the file's kid (VaultSession._chain_keys); None: stale key.
+        self.chain_keys: chainrows.KeysOf = lambda _kid: None
+        self.chain_key: Callable[[], Any] = lambda: None  # the session's own (a write's)
         super().__init__(session_id, db_path, session_settings=session_settings)
 
     @staticmethod
@@ -107,23 +115,9 @@ class VaultSQLiteSession(SQLiteSession):
         conn.row_factory = undecodable_rows_as_none
         SQLiteSession._configure_connection(conn)
 
-    def _stat_identity(self) -> tuple[int, int]:
-        try:
-            st = os.stat(self._vault_path)
-        except FileNotFoundError:
-            raise NotAVault(
-                f"the vault at {self._vault_path} is gone (shredded or moved) since this "
-                "session was opened; nothing was read or written"
-            ) from None
-        return st.st_dev, st.st_ino
-
     def _check_file(self) -> None:
         """The file this session opened is still the one at the path (not shredded/replaced)."""
-        if self._stat_identity() != self._identity:
-            raise NotAVault(
-                f"the vault at {self._vault_path} was replaced since this session was opened; "
-                "nothing was read or written; open a new session"
-            )
+        sdkerrors.check_identity(self._vault_path, self._identity)
 
     def _init_db_for_connection(self, conn: sqlite3.Connection) -> None:
         # The vault created the SDK's tables already; creating them here could only
@@ -175,8 +169,37 @@ class VaultSQLiteSession(SQLiteSession):
         finally:
             _WRITING.reset(token)
 
+    def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
+        texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
+        key = self.chain_key()
+        chainrows.insert_items(conn, self.session_id, texts, key, str(self._vault_path))
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        # The SDK's read, its rows judged with their head in the same snapshot first.
+        wanted = resolve_session_limit(limit, self.session_settings)
+        return await asyncio.to_thread(self._read_checked, wanted)
+
+    def _read_checked(self, wanted: int | None) -> list[Any]:
+        with self._locked_connection() as conn:
+            try:
+                return chainrows.read_items(
+                    conn, self.session_id, wanted, self.chain_keys, str(self._vault_path)
+                )
+            except sqlite3.Error as exc:
+                raise sdk_error(exc, self._vault_path) from exc
+
     async def _pop_item_with_validation(self, validate: Callable[[Any], None] | None = None) -> Any:
-        item = await super()._pop_item_with_validation(validate)
+        def chained(item: Any) -> None:
+            if validate is not None:
+                validate(item)  # the SDK's: authenticates the envelope
+            # The SDK's thread, connection and transaction (its DELETE); stale key: rolled
+            # back, and VaultSession.pop_item reloads it and retries.
+            if not chainrows.popped_one(
+                self._local.connection, self.session_id, self.chain_keys, str(self._vault_path)
+            ):
+                raise InvalidToken
+
+        item = await super()._pop_item_with_validation(chained)
         if item is not None:
             self.deleted = True
         return item
@@ -204,9 +227,12 @@ class VaultSession(EncryptedSession):
         meta = vault.meta()
         self._backup_meta = meta if is_backup(meta) else None
         self._db_path: Path = vault.path
+        self._vault_id = meta["vault_id"]
         underlying = VaultSQLiteSession(session_id, vault.path, session_settings)
         self._start(session_id, underlying, sealer, vault.ttl)
         underlying.on_change = self._on_change
+        underlying.chain_keys = self._chain_keys
+        underlying.chain_key = lambda: chainops.key_of(self._sealer, self._vault_id)
 
     def _start(self, session_id: str, underlying: Any, sealer: Any, ttl: int | None) -> None:
         """EncryptedSession over `underlying` under the current key (both engines)."""
@@ -243,6 +269,15 @@ class VaultSession(EncryptedSession):
         self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
         if meta["kid"] != self._kid:
             self._refresh()
+
+    def _chain_keys(self, file_kid: str) -> dict[str, Any] | None:
+        """The chain keys for a file whose kid is `file_kid`, the key reloaded if stale
+        (not while writing: a write is refused and retried, its items sealed again)."""
+        if file_kid != self._kid and not _WRITING.get():
+            self._refresh()
+        if file_kid != self._kid:
+            return None
+        return chainops.keys_for(self._sealer, self._vault_id)
 
     def _file_kid(self) -> str:
         return self._vault.meta()["kid"]

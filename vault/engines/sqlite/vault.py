@@ -37,6 +37,7 @@ from vault.engines.sqlite.db import (
 from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import (
     DEFAULT_TTL,
+    FILE_FORMAT,
     FORMAT,
     LEGACY_FORMAT,
     MESSAGES_TABLE,
@@ -131,7 +132,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         vault = cls(path, keystore)
         with vault.connection() as conn:  # one connection for both questions
             meta = read_meta(conn, path)
-            if meta.get("format") not in (FORMAT, PREVIOUS_FORMAT, LEGACY_FORMAT):
+            if meta.get("format") not in (FILE_FORMAT, FORMAT, PREVIOUS_FORMAT, LEGACY_FORMAT):
                 raise NotAVault(
                     f"{path} has an unknown memvault format {meta.get('format')!r}; "
                     "upgrade memvault"
@@ -152,6 +153,16 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         from vault.verify import verify
 
         return verify(db)
+
+    def history_verdict(self, session_id: str) -> str | None:
+        """What is wrong with the session's chain (a `Tamper` kind's text), or None."""
+        from vault.engines.sqlite import chainrows  # here: most commands never need it
+
+        def read(conn: sqlite3.Connection, sealer: crypto.Sealer, _ttl: int | None) -> str | None:
+            self._require_session(conn, session_id)
+            return chainrows.verdict(conn, chainrows.keys_for(sealer, self.vault_id), session_id)
+
+        return self._snapshot(read)
 
     # -- reading --------------------------------------------------------
     def session_ids(self) -> list[str]:
@@ -222,6 +233,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         limit: int | None = None,
         now: int | None = None,
         include_expired: bool = False,
+        include_tampered: bool = False,
     ) -> Iterator[crypto.Opened]:
         """Every stored row of the session, oldest first, as an `Opened` (state, item, timestamp).
 
@@ -229,13 +241,21 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         errors are raised here); each is decrypted only when the iterator reaches it,
         so a caller streaming a long session holds one plaintext item at a time. With
         `include_expired`, an expired item is decrypted too and keeps its EXPIRED state.
+        A session whose chain does not verify raises HistoryTampered, unless `include_tampered`.
         """
+        from vault.engines.sqlite import chainrows  # here: most commands never need it
+
         check_limit(limit)
 
         def read(
             conn: sqlite3.Connection, sealer: crypto.Sealer, ttl: int | None
         ) -> tuple[crypto.Sealer, int | None, list[str]]:
             self._require_session(conn, session_id)
+            if not include_tampered:
+                keys = chainrows.keys_for(sealer, self.vault_id)
+                chainrows.refuse(
+                    chainrows.judge(conn, keys, session_id, limit), session_id, str(self.path)
+                )
             sql = f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id DESC"
             args: tuple[Any, ...] = (session_id,)
             if limit is not None:
@@ -253,6 +273,8 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
     # -- changing -------------------------------------------------------
     def pop(self, session_id: str, n: int = 1) -> Popped:
         """Remove the newest `n` items; refuses if one of them does not authenticate."""
+        from vault.engines.sqlite import chainrows  # here: most commands never need it
+
         if n <= 0:
             raise OperationFailed("the number of items to pop must be positive")
         backupmark.refuse_writes(self, "`memvault pop`")
@@ -261,12 +283,15 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
             sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
             self._require_session(conn, session_id)
             rows = conn.execute(
-                f"SELECT id, message_data FROM {MESSAGES_TABLE} WHERE session_id = ? "
+                f"SELECT id, message_data, chain FROM {MESSAGES_TABLE} WHERE session_id = ? "
                 "ORDER BY id DESC LIMIT ?",
-                (session_id, n),
+                (session_id, n + 1),  # and the one that becomes the last: the chain's head
             ).fetchall()
-            popped = [popped_item(sealer, session_id, _id, data) for _id, data in rows]
-            conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in rows])
+            gone = rows[:n]
+            popped = [popped_item(sealer, session_id, _id, data) for _id, data, _lk in gone]
+            conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in gone])
+            key = chainrows.key_of(sealer, self.vault_id)
+            chainrows.after_pop(conn, key, session_id, [r[2] for r in rows], n, str(self.path))
             set_meta(conn, scrub_pending="1")
         return Popped(popped, self.scrub())
 
@@ -277,6 +302,8 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         evidence, not history: the session is left whole, with ItemsUnreadable, unless
         `include_unreadable`; the result tells how many of those went.
         """
+        from vault.engines.sqlite import chainrows  # here: most commands never need it
+
         backupmark.refuse_writes(self, "`memvault clear`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
@@ -294,6 +321,8 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
                 f"DELETE FROM {MESSAGES_TABLE} WHERE session_id = ?", (session_id,)
             ).rowcount
             conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = ?", (session_id,))
+            key = chainrows.key_of(sealer, self.vault_id)
+            chainrows.after_clear(conn, key, session_id, str(self.path), include_unreadable)
             set_meta(conn, scrub_pending="1")
             audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
         return Cleared(n, unreadable, self.scrub())
@@ -312,8 +341,11 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
 
         Reads and deletes in batches of rows, in one transaction: memory stays flat
         whatever the size of the vault. Each item is authenticated (HMAC), never
-        decrypted: an expired item is deleted without its plaintext being needed.
+        decrypted. A session loses only its oldest items, up to its first one that stays
+        (chainrows.PurgedPrefix: the chain records a purge as a new base).
         """
+        from vault.engines.sqlite import chainrows  # here: most commands never need it
+
         backupmark.refuse_writes(self, "`memvault purge`")
         sealer = self.sealer()
         deleted = kept = unreadable = 0
@@ -322,13 +354,17 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
             current = int(time.time()) if now is None else now
+            prefix = chainrows.PurgedPrefix()
             for batch in row_batches(conn):
-                doomed, fresh, bad = crypto.triage(batch, lambda _data: sealer, ttl, current)
-                kept, unreadable = kept + fresh, unreadable + bad
+                expired, fresh, bad = crypto.triage(batch, lambda _data: sealer, ttl, current)
+                doomed = prefix.take(conn, batch, expired)
+                kept += fresh + len(expired) - len(doomed)
+                unreadable += bad
                 conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", doomed)
                 deleted += len(doomed)
                 if progress:
                     progress(len(batch))
+            prefix.move_heads(conn, chainrows.key_of(sealer, self.vault_id), str(self.path))
             testhooks.failpoint("purge-in-transaction")
             if deleted:
                 set_meta(conn, scrub_pending="1")
