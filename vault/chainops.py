@@ -9,7 +9,7 @@ vault.chaincheck. Design: docs/history-chain.md.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from vault import chain, crypto
 from vault.chain import ChainKey, Head, Link
@@ -83,15 +83,19 @@ def pop_head(
     key: ChainKey,
     session_id: str,
     head: Head,
-    befores: list[str | None],
+    popped: Sequence[tuple[str, str | None]],
     where: str,
+    link_keys: Mapping[str, ChainKey] | None = None,
 ) -> Head:
-    """The head after the newest `len(befores)` items went, `befores[i]` being the link
-    of the item that became last after pop i (None: none left)."""
-    for text in befores:
-        before = None if text is None else link_of(text, session_id, where)
+    """The head after the newest rows went: `popped` are their (envelope text, link),
+    newest first. Each must be the head's authentic last item in turn (its link
+    checked under the key its envelope names, from `link_keys`), so that a pop never
+    approves an item an attacker put in its place."""
+    for text, raw in popped:
+        link = link_of(raw, session_id, where)
+        link_key = (link_keys or {}).get(crypto.kid_of(text) or "", key)
         try:
-            head = chain.pop(key, session_id, head, before)
+            head = chain.pop(key, session_id, head, link, text, link_key)
         except ValueError:
             raise tampered(session_id, Tamper.UNAUTHENTICATED, where) from None
     return head

@@ -164,6 +164,7 @@ SDK_METHODS: dict[str, str] = {
     "SQLiteSession._pop_item_with_validation": "(self, validate=None)",
     "SQLiteSession._insert_items": "(self, conn, items)",
     "SQLiteSession._locked_connection": "(self)",
+    "SQLiteSession._write_connection": "(self)",
     "SQLiteSession._get_compaction_snapshot": "(self, limit, *, prune_prefix=None)",
     "EncryptedSession._unwrap": "(self, item)",
     "EncryptedSession._get_compaction_snapshot": "(self, limit)",

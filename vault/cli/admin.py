@@ -53,6 +53,8 @@ def purge(yes: bool) -> None:
     doc = {**report.counts, **report.notes, "scrubbed": report.scrubbed}
     # An engine whose scrub is not memvault's to do (PostgreSQL) says what became of the rows.
     note = f"\nscrub: {doc['scrub']}" if "scrub" in doc and doc["deleted"] else ""
+    if "tampered" in doc:  # their rows stay: `memvault verify` names what is wrong
+        note += f"\nleft as they are, their history does not verify: {doc['tampered']}"
     emit(
         doc,
         lambda: click.echo(

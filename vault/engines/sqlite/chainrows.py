@@ -8,11 +8,10 @@ inside the caller's transaction (the write's own), never one of its own, except
 from __future__ import annotations
 
 import dataclasses
-import json
 import sqlite3
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 from vault import chain, chainops, crypto
 from vault.chain import ChainKey, Head
@@ -21,10 +20,11 @@ from vault.chainops import BUILDING, CHAIN_META, ON
 from vault.chainops import key_of as key_of  # for the engine's callers: one import
 from vault.chainops import keys_for as keys_for
 from vault.chainops import refuse as refuse
-from vault.engines.sqlite.schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE
-from vault.errors import HistoryTampered, VaultBusy
+from vault.engines.sqlite.schema import MESSAGES_TABLE
+from vault.errors import HistoryTampered
 
 HEADS_TABLE = "memvault_chain_heads"
+UNLINKED = "unlinked"  # the link of a row that had none when a rotation moved it
 
 
 def chain_state(conn: sqlite3.Connection) -> str | None:
@@ -88,29 +88,16 @@ def after_pop(
     conn: sqlite3.Connection,
     key: ChainKey,
     session_id: str,
-    newest: list[str | None],
-    n: int,
+    popped: Sequence[tuple[str, str | None]],
     where: str,
+    link_keys: Mapping[str, ChainKey] | None = None,
 ) -> None:
-    """Move the head back past the `n` items just popped: `newest` are the links the
-    session's newest rows had before the pop, newest first (at least n + 1 of them
-    where the session had that many)."""
-    pops = min(n, len(newest))
-    befores = [newest[i + 1] if i + 1 < len(newest) else None for i in range(pops)]
+    """Move the head back past the rows just popped: their (text, link), newest first."""
     stored = read_head(conn, session_id)
     if stored is None and not chained(conn):
         return  # the upgrade has not linked this file yet
     head = chainops.head_to_move(key, session_id, stored, where)
-    write_head(conn, session_id, chainops.pop_head(key, session_id, head, befores, where))
-
-
-def last_link(conn: sqlite3.Connection, session_id: str) -> str | None:
-    """The link of the session's newest row (None: no row, or no link)."""
-    row = conn.execute(
-        f"SELECT chain FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id DESC LIMIT 1",
-        (session_id,),
-    ).fetchone()
-    return None if row is None else row[0]
+    write_head(conn, session_id, chainops.pop_head(key, session_id, head, popped, where, link_keys))
 
 
 def after_clear(
@@ -132,22 +119,6 @@ def after_clear(
         if old is not None:
             head = dataclasses.replace(head, epoch=old.epoch, base=old.end, end=old.end)
     write_head(conn, session_id, chain.clear(key, session_id, head))
-
-
-def after_purge(
-    conn: sqlite3.Connection, key: ChainKey, session_id: str, last_purged: str | None, where: str
-) -> None:
-    """The head's base past the newest purged item (a purge removes a prefix only)."""
-    stored = read_head(conn, session_id)
-    if stored is None:
-        return
-    head = chainops.head_to_move(key, session_id, stored, where)
-    link = chainops.link_of(last_purged, session_id, where)
-    try:
-        moved = chain.purge(key, session_id, head, link)
-    except ValueError:
-        raise chainops.tampered(session_id, "unauthenticated", where) from None
-    write_head(conn, session_id, moved)
 
 
 def session_rows(
@@ -206,12 +177,14 @@ def remac_updates(
     the new key all the same, its link kept as it was: the item stays readable and its
     session is still reported as tampered, where leaving it under the old key would
     lose an authentic item to one edited link once that key is retired."""
-    out = []
+    out: list[tuple[str, str | None, int, str, str | None]] = []
     for new_text, row_id, old_text in updates:
         text = links.pop(row_id, None)
         link = chain.Link.decode(text)
         moved = None if link is None else chain.remac(old, new, link, old_text, new_text)
-        out.append((new_text, text if moved is None else moved.encode(), row_id, old_text, text))
+        # A row with no link gets one that never verifies: the guard refuses NULL.
+        kept = text if text is not None else UNLINKED
+        out.append((new_text, kept if moved is None else moved.encode(), row_id, old_text, text))
     return out
 
 
@@ -244,8 +217,10 @@ def build(vault: _File, key: ChainKey, keys: Mapping[str, ChainKey]) -> None:
             if chain_state(conn) != BUILDING:
                 return
             todo = conn.execute(
-                f"SELECT DISTINCT session_id FROM {MESSAGES_TABLE} WHERE session_id NOT IN "
-                f"(SELECT session_id FROM {HEADS_TABLE}) LIMIT 1"
+                # Text ids only: a row whose id is not text (no memvault writer puts one)
+                # is left unlinked, so verify reports it, instead of looping here.
+                f"SELECT DISTINCT session_id FROM {MESSAGES_TABLE} WHERE typeof(session_id) = "
+                f"'text' AND session_id NOT IN (SELECT session_id FROM {HEADS_TABLE}) LIMIT 1"
             ).fetchone()
             if todo is None:
                 conn.execute(
@@ -269,96 +244,28 @@ def build(vault: _File, key: ChainKey, keys: Mapping[str, ChainKey]) -> None:
             write_head(conn, sid, head)
 
 
-# -- the agent session's writes and reads (vault.engines.sqlite.session) ----------------
-# `keys_of(file_kid)` is the session's: its chain keys when it holds the file's key
-# (after reloading it, where a read may), else None.
-KeysOf = Callable[[str], "dict[str, ChainKey] | None"]
-
-
-def file_kid(conn: sqlite3.Connection) -> str:
-    row = conn.execute("SELECT value FROM memvault_meta WHERE key = 'kid'").fetchone()
-    return "" if row is None else str(row[0])
-
-
-def insert_items(
-    conn: sqlite3.Connection, session_id: str, texts: Sequence[str], key: ChainKey, where: str
-) -> None:
-    """The SDK's insert of a session's new items, each with its link, the head moved in
-    the same transaction. `key` is the session's, unchecked (a write reads no meta): a
-    head under another key id raises what the guard raises for an item under a stale
-    one (sqlite3.IntegrityError), so the session reloads its key and retries; the guard
-    refuses the items themselves when the session has no head yet."""
-    # The first write takes the write lock: the head read next is the one this commits over.
-    conn.execute(f"INSERT OR IGNORE INTO {SESSIONS_TABLE} (session_id) VALUES (?)", (session_id,))
-    head = Head.decode(read_head(conn, session_id))
-    if head is not None and head.kid != key.kid:
-        raise sqlite3.IntegrityError(GUARD_MESSAGE)  # every head moves with a rotation
-    links = append(conn, key, session_id, texts, where)
-    conn.executemany(
-        f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, chain) VALUES (?, ?, ?)",
-        [(session_id, t, lk) for t, lk in zip(texts, links, strict=True)],
-    )
-    conn.execute(
-        f"UPDATE {SESSIONS_TABLE} SET updated_at = CURRENT_TIMESTAMP WHERE session_id = ?",
-        (session_id,),
-    )
-
-
-def popped_one(conn: sqlite3.Connection, session_id: str, keys_of: KeysOf, where: str) -> bool:
-    """After the SDK's pop deleted the newest row, in its transaction: the head moved
-    back. False, changing nothing, when the session's key is stale (the caller rolls
-    back and retries with the key reloaded)."""
-    kid = file_kid(conn)
-    keys = keys_of(kid)
-    if keys is None or kid not in keys:
-        return False
-    after_pop(conn, keys[kid], session_id, [None, last_link(conn, session_id)], 1, where)
-    return True
-
-
-def read_items(
-    conn: sqlite3.Connection, session_id: str, limit: int | None, keys_of: KeysOf, where: str
-) -> list[Any]:
-    """The SDK's `get_items`: the session's rows (all, or the newest `limit`, as the SDK
-    takes it), oldest first, decoded, read in one snapshot with the head and judged
-    first (HistoryTampered). A chained session has no undecodable rows to skip past
-    (the guard refuses them; one there is tampering), so the window is `limit`."""
-    if limit is not None and limit <= 0:
-        limit = None if limit < 0 else 0  # the SDK's: a negative limit is no limit
-    if limit == 0:
-        return []
-    return [json.loads(text) for text in _read_checked(conn, session_id, limit, keys_of, where)]
-
-
-def _read_checked(
-    conn: sqlite3.Connection, session_id: str, limit: int | None, keys_of: KeysOf, where: str
-) -> list[str]:
-    conn.execute("BEGIN")
-    try:
-        keys = keys_of(file_kid(conn))
-        if keys is None:
-            raise VaultBusy(f"{where} kept changing key while being read; try again")
-        rows = session_rows(conn, session_id, limit)
-        if chained(conn):
-            head = Head.decode(read_head(conn, session_id))
-            verdict = (
-                check(keys, session_id, rows, head)
-                if limit is None
-                else check_tail(keys, session_id, rows, head, limit)
-            )
-            chainops.refuse(verdict, session_id, where)
-        return [text for text, _link in rows]
-    finally:
-        conn.execute("COMMIT")
-
-
 class PurgedPrefix:
     """Which expired rows a purge deletes: each session's oldest, up to its first row
-    that stays (fresh or unreadable), so the chain records the purge as a new base."""
+    that stays (fresh, unreadable, or one whose link does not carry the head's base
+    past it), so the chain records the purge as a new base. A session whose head or
+    next link does not authenticate keeps its rows and is named in `tampered`: one
+    edited row never stops the purge of the others."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: Mapping[str, ChainKey], key: ChainKey, where: str) -> None:
+        self.keys, self.key, self.where = keys, key, where
         self.stopped: set[str] = set()
-        self.last: dict[str, str | None] = {}  # session -> link of its newest purged row
+        self.tampered: set[str] = set()
+        self.heads: dict[str, Head | None] = {}  # as moved so far; None: no head (unchained)
+
+    def _start(self, conn: sqlite3.Connection, sid: str) -> None:
+        stored = read_head(conn, sid)
+        try:
+            self.heads[sid] = (
+                None if stored is None else chainops.head_to_move(self.key, sid, stored, "")
+            )
+        except HistoryTampered:
+            self.stopped.add(sid)
+            self.tampered.add(sid)
 
     def take(
         self,
@@ -367,25 +274,43 @@ class PurgedPrefix:
         expired: list[tuple[int]],
     ) -> list[tuple[int]]:
         """The (id,) of `batch`'s rows to delete, of those `expired` names; read before
-        they are deleted (their links are needed for the heads)."""
+        they are deleted (their links move the heads)."""
         doomed_ids = {e[0] for e in expired}
+        links: dict[int, str | None] = {}
+        if doomed_ids:
+            links = dict(
+                conn.execute(
+                    f"SELECT id, chain FROM {MESSAGES_TABLE} WHERE id BETWEEN ? AND ?",
+                    (min(doomed_ids), max(doomed_ids)),
+                ).fetchall()
+            )
         out: list[tuple[int]] = []
-        newest: dict[str, int] = {}
-        for row_id, sid, _data in batch:
+        for row_id, sid, data in batch:
             if sid in self.stopped:
                 continue
-            if row_id in doomed_ids:
-                out.append((row_id,))
-                newest[sid] = row_id
-            else:
+            if row_id not in doomed_ids:
                 self.stopped.add(sid)
-        for sid, row_id in newest.items():
-            row = conn.execute(
-                f"SELECT chain FROM {MESSAGES_TABLE} WHERE id = ?", (row_id,)
-            ).fetchone()
-            self.last[sid] = None if row is None else row[0]
+                continue
+            if sid not in self.heads:
+                self._start(conn, sid)
+                if sid in self.stopped:
+                    continue
+            head = self.heads[sid]
+            if head is not None:
+                link = chain.Link.decode(links.get(row_id))
+                link_key = self.keys.get(crypto.kid_of(data) or "", self.key)
+                try:
+                    if link is None:
+                        raise ValueError("no link")
+                    self.heads[sid] = chain.purge(self.key, sid, head, link, data, link_key)
+                except ValueError:
+                    self.stopped.add(sid)
+                    self.tampered.add(sid)
+                    continue
+            out.append((row_id,))
         return out
 
-    def move_heads(self, conn: sqlite3.Connection, key: ChainKey, where: str) -> None:
-        for sid, link in self.last.items():
-            after_purge(conn, key, sid, link, where)
+    def move_heads(self, conn: sqlite3.Connection) -> None:
+        for sid, head in self.heads.items():
+            if head is not None:
+                write_head(conn, sid, head)

@@ -21,12 +21,12 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
   connection registry, kept by our `_get_connection` as the SDK's own keeps it,
   so that `close()` closes every connection.
 - `SQLiteSession._pop_item_with_validation(validate)`: EncryptedSession.pop_item
-  authenticates inside the delete's transaction through it (only while our
-  subclass keeps the SDK's `pop_item`); overridden to note that a row went and move
-  the chain head back in that transaction.
+  authenticates inside the delete's transaction through it; replaced, to take the
+  row with its link and move the chain head back in that transaction.
 - `SQLiteSession._insert_items(conn, items)`: the insert in `add_items`'s transaction;
   overridden to write each row's chain link and the session's head.
 - `SQLiteSession._locked_connection()`: a thread's connection under the SDK's lock.
+- `SQLiteSession._write_connection()`: the same, rolled back on any error (our pop).
 - `SQLiteSession._get_compaction_snapshot(limit, *, prune_prefix)`: None for a
   subclass, so `OpenAIResponsesCompactionSession` replaces history through our
   `clear_session`/`add_items` (audited, scrubbed), never in raw SQL.
@@ -66,7 +66,7 @@ from cryptography.fernet import InvalidToken
 
 from vault import chainops, crypto
 from vault.backupmark import is_backup, refuse
-from vault.engines.sqlite import chainrows, sdkerrors
+from vault.engines.sqlite import chainsession, sdkerrors
 from vault.engines.sqlite.db import configure, is_busy, lock_timeout, parse_ttl
 from vault.engines.sqlite.schema import GUARD_MESSAGE
 from vault.engines.sqlite.sdkerrors import also_sqlite, sdk_error, undecodable_rows_as_none
@@ -104,7 +104,7 @@ class VaultSQLiteSession(SQLiteSession):
         self._versions: dict[sqlite3.Connection, int] = {}
         self.deleted = False  # set by a pop that removed a row, for the scrub
         # The chain keys for the file's kid (VaultSession._chain_keys); None: stale key.
-        self.chain_keys: chainrows.KeysOf = lambda _kid: None
+        self.chain_keys: chainsession.KeysOf = lambda _kid: None
         self.chain_key: Callable[[], Any] = lambda: None  # the session's own (a write's)
         super().__init__(session_id, db_path, session_settings=session_settings)
 
@@ -172,7 +172,7 @@ class VaultSQLiteSession(SQLiteSession):
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
         key = self.chain_key()
-        chainrows.insert_items(conn, self.session_id, texts, key, str(self._vault_path))
+        chainsession.insert_items(conn, self.session_id, texts, key, str(self._vault_path))
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         # The SDK's read, its rows judged with their head in the same snapshot first.
@@ -182,24 +182,24 @@ class VaultSQLiteSession(SQLiteSession):
     def _read_checked(self, wanted: int | None) -> list[Any]:
         with self._locked_connection() as conn:
             try:
-                return chainrows.read_items(
+                return chainsession.read_items(
                     conn, self.session_id, wanted, self.chain_keys, str(self._vault_path)
                 )
             except sqlite3.Error as exc:
                 raise sdk_error(exc, self._vault_path) from exc
 
     async def _pop_item_with_validation(self, validate: Callable[[Any], None] | None = None) -> Any:
-        def chained(item: Any) -> None:
-            if validate is not None:
-                validate(item)  # the SDK's: authenticates the envelope
-            # The SDK's thread, connection and transaction (its DELETE); stale key: rolled
-            # back, and VaultSession.pop_item reloads it and retries.
-            if not chainrows.popped_one(
-                self._local.connection, self.session_id, self.chain_keys, str(self._vault_path)
-            ):
-                raise InvalidToken
+        # The SDK's pop, its row taken with its link (chainsession.pop_newest); a stale key
+        # rolls back, and VaultSession.pop_item reloads it and retries.
+        def pop() -> Any:
+            with self._write_connection() as conn:
+                item = chainsession.pop_newest(
+                    conn, self.session_id, validate, self.chain_keys, str(self._vault_path)
+                )
+                conn.commit()
+                return item
 
-        item = await super()._pop_item_with_validation(chained)
+        item = await asyncio.to_thread(pop)
         if item is not None:
             self.deleted = True
         return item

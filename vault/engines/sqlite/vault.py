@@ -282,16 +282,16 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         with self.write_transaction() as conn:
             sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
             self._require_session(conn, session_id)
-            rows = conn.execute(
+            gone = conn.execute(
                 f"SELECT id, message_data, chain FROM {MESSAGES_TABLE} WHERE session_id = ? "
                 "ORDER BY id DESC LIMIT ?",
-                (session_id, n + 1),  # and the one that becomes the last: the chain's head
+                (session_id, n),
             ).fetchall()
-            gone = rows[:n]
             popped = [popped_item(sealer, session_id, _id, data) for _id, data, _lk in gone]
             conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in gone])
-            key = chainrows.key_of(sealer, self.vault_id)
-            chainrows.after_pop(conn, key, session_id, [r[2] for r in rows], n, str(self.path))
+            keys = chainrows.keys_for(sealer, self.vault_id)  # each row's link: its own kid's
+            rows = [(str(r[1]), r[2]) for r in gone]
+            chainrows.after_pop(conn, keys[sealer.kid], session_id, rows, str(self.path), keys)
             set_meta(conn, scrub_pending="1")
         return Popped(popped, self.scrub())
 
@@ -339,11 +339,9 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
     def purge(self, now: int | None = None, progress: Progress | None = None) -> Report:
         """Delete items that authenticate under the key and are past the TTL.
 
-        Reads and deletes in batches of rows, in one transaction: memory stays flat
-        whatever the size of the vault. Each item is authenticated (HMAC), never
-        decrypted. A session loses only its oldest items, up to its first one that stays
-        (chainrows.PurgedPrefix: the chain records a purge as a new base).
-        """
+        In batches, in one transaction: memory stays flat. Each item is authenticated,
+        never decrypted. A session loses only its oldest items, up to its first one that
+        stays (chainrows.PurgedPrefix: the chain records a purge as a new base)."""
         from vault.engines.sqlite import chainrows  # here: most commands never need it
 
         backupmark.refuse_writes(self, "`memvault purge`")
@@ -354,7 +352,8 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
             current = int(time.time()) if now is None else now
-            prefix = chainrows.PurgedPrefix()
+            keys = chainrows.keys_for(sealer, self.vault_id)
+            prefix = chainrows.PurgedPrefix(keys, keys[sealer.kid], str(self.path))
             for batch in row_batches(conn):
                 expired, fresh, bad = crypto.triage(batch, lambda _data: sealer, ttl, current)
                 doomed = prefix.take(conn, batch, expired)
@@ -364,13 +363,14 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
                 deleted += len(doomed)
                 if progress:
                     progress(len(batch))
-            prefix.move_heads(conn, chainrows.key_of(sealer, self.vault_id), str(self.path))
+            prefix.move_heads(conn)
             testhooks.failpoint("purge-in-transaction")
             if deleted:
                 set_meta(conn, scrub_pending="1")
             audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)
         scrubbed = self.scrub() if deleted else True
-        return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed)
+        notes = {"tampered": ", ".join(sorted(prefix.tampered))} if prefix.tampered else {}
+        return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed, notes)
 
     def settle_keyring(self) -> dict[str, list[str]]:
         """Nothing after a kit import: opening the file settles its entries (`tidy`)."""
