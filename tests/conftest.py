@@ -361,6 +361,14 @@ def keyring_entries(vault_id: str) -> dict[str, str]:
     return out
 
 
+def key_entries(vault_id: str) -> dict[str, str]:
+    """The vault's key versions' entries: `keyring_entries` without its anchor
+    (vault.chainanchor), which holds no key."""
+    from vault.chainanchor import entry_name as anchor_name
+
+    return {k: v for k, v in keyring_entries(vault_id).items() if k != anchor_name(vault_id)}
+
+
 def add_items(db: Path, session_id: str, items: list[Any]) -> None:
     """Write items through the real SDK session, in this process."""
     import vault as vault_pkg

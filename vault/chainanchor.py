@@ -15,9 +15,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from vault.chain import MAC_BYTES, count_of, hex_text, unhex
-from vault.chainvault import Point
+from vault.chainvault import ZERO, Point
 
 ANCHOR_VERSION = "a1"
+# What the anchor holds from the moment a vault's history is chained (its creation, or
+# the end of the upgrade's build) until a vault head is recorded: its presence alone
+# says the file must be chained, which a file can no longer say of itself once someone
+# rewrote it as an unchained one.
+CHAINED = Point(0, ZERO)
 
 
 class Store(Protocol):
@@ -69,3 +74,14 @@ def advance(store: Store, vault_id: str, point: Point, *, moved_back: bool = Fal
 def forget(store: Store, vault_id: str) -> bool:
     """Delete the anchor (shred and revoke destroy the vault's entries)."""
     return store.delete(entry_name(vault_id))
+
+
+def mark_chained(store: Store, vault_id: str) -> None:
+    """Record that this vault's history is chained (kept if an anchor is already there)."""
+    advance(store, vault_id, CHAINED)
+
+
+def is_chained(store: Store, vault_id: str) -> bool:
+    """Whether an anchor says this vault's history was chained: an unchained file of it
+    was then put back from an older copy, or rewritten."""
+    return store.get(entry_name(vault_id)) is not None

@@ -9,9 +9,9 @@ vault.chaincheck. Design: docs/history-chain.md.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from vault import chain, crypto
+from vault import chain, chainanchor, crypto
 from vault.chain import ChainKey, Head, Link
 from vault.chaincheck import Tamper, Verdict
 from vault.errors import HistoryTampered
@@ -53,6 +53,25 @@ def tampered(session_id: str, kind: Tamper | str, where: str) -> HistoryTampered
         session_id,
         what,
     )
+
+
+def refuse_unchained(
+    store: chainanchor.Store | None, vault_id: str, where: str, state: Callable[[], str | None]
+) -> None:
+    """Before the upgrade links a file's rows: refuse when the vault's anchor says its
+    history was chained already. The file was then put back from a copy older than its
+    upgrade, or rewritten to look unchained, and linking it would vouch for whatever
+    order someone gave its rows. `state` reads the file's chain state afresh: another
+    process may have finished the build (and set the anchor) since this one looked."""
+    if store is not None and chainanchor.is_chained(store, vault_id) and state() != ON:
+        raise HistoryTampered(
+            f"{where} says its history was never chained, but this vault's history is "
+            "chained since its upgrade: the file was put back from an older copy or "
+            "rewritten, and nothing was linked or changed; restore a backup with "
+            "`memvault restore`, which accepts the backup's state on purpose",
+            "",
+            Tamper.ROLLED_BACK.value,
+        )
 
 
 def refuse(verdict: Verdict, session_id: str, where: str) -> None:

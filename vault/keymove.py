@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vault import backupmark, crypto, testhooks
+from vault import backupmark, chainanchor, crypto, testhooks
+from vault.chainops import CHAIN_META, ON
 from vault.errors import KeyProblem, VaultBusy
 from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
 from vault.keyload import refuse_revoked
@@ -130,6 +131,8 @@ def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:
     the versions a recorded backup (a keyring copy) still reads through them."""
     nothing: dict[str, Any] = {"removed_from_keyring": [], "kept_in_keyring": []}
     if meta.get(SOURCE, KEYRING) == KEYRING:
+        if meta.get(CHAIN_META) == ON:  # the anchor lives beside the keys (a keyring's)
+            chainanchor.mark_chained(KeyStore(), meta["vault_id"])
         return nothing  # the wrapped keys left with the switch's transaction
     ks = KeyStore()
     try:
@@ -144,4 +147,5 @@ def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:
         if v.kid not in kept and ks.delete(entry_name(vault_id, v.kid)):
             removed.append(v.kid)
             testhooks.failpoint("key-move-after-tidy-one")
+    chainanchor.forget(ks, vault_id)  # a transit vault keeps none (vault.chainanchor)
     return {"removed_from_keyring": sorted(removed), "kept_in_keyring": kept}

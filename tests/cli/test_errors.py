@@ -18,8 +18,8 @@ from tests.conftest import (
     ROOT,
     CLIResult,
     add_items,
+    key_entries,
     key_entry,
-    keyring_entries,
     raw_bytes,
     rows,
     run_cli,
@@ -217,7 +217,7 @@ def test_missing_key_is_never_replaced(vault: Any, vault_db: Path) -> None:
     keyring.delete_password("memvault", key_entry(vault))
     before = snapshot(vault_db)
     one_line(run_cli("show", "s"), 4, "has no key", "for vault", "key import")
-    assert keyring_entries(vault.vault_id) == {}  # no key was invented
+    assert key_entries(vault.vault_id) == {}  # no key was invented
     assert snapshot(vault_db) == before
 
 

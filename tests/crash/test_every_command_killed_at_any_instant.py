@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from tests.chainkit import insert_chained
-from tests.conftest import keyring_entries, keyring_items, run_cli
+from tests.conftest import key_entries, keyring_entries, keyring_items, run_cli
 from tests.crashkit import (
     ROOT,
     integrity,
@@ -288,7 +288,7 @@ def check(img: Image, cmd: Command, label: str) -> str:
         assert keyring_entries(img.vault_id) == {}, label
         return "after"
     # The settled state of docs/keys.md: exactly the file's key version in the keyring.
-    assert list(keyring_entries(img.vault_id)) == [entry_name(img.vault_id, doc["kid"])], label
+    assert list(key_entries(img.vault_id)) == [entry_name(img.vault_id, doc["kid"])], label
     vault = Vault.open(img.db)
     got = {sid: vault.items(sid)[0] for sid in vault.session_ids()}
     got = {sid: items for sid, items in got.items() if items}

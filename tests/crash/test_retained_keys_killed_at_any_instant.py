@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.chainkit import insert_chained
-from tests.conftest import ROOT, keyring_entries, run_cli
+from tests.conftest import ROOT, key_entries, run_cli
 from tests.crashkit import put_back
 from vault.engines.sqlite.vault import Vault, shred
 from vault.keyjournal import entry_name
@@ -101,7 +101,7 @@ def check(s: Setup, label: str) -> None:
     assert not {"pending", "retired"} & set(states.values()), (label, states)
     assert states[s.kid] in ("current", "retained"), (label, states)
     want = {entry_name(s.vault_id, kid), entry_name(s.vault_id, s.kid)}
-    assert set(keyring_entries(s.vault_id)) == want, label
+    assert set(key_entries(s.vault_id)) == want, label
     for db in (s.db, s.backup):
         r = run_cli("--db", str(db), "--json", "verify")
         assert r.code == 0, (label, db, r)

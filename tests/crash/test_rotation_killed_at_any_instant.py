@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from tests.chainkit import insert_chained
-from tests.conftest import authenticated_counts, keyring_entries, raw_bytes, run_cli
+from tests.conftest import authenticated_counts, key_entries, keyring_entries, raw_bytes, run_cli
 from tests.crashkit import first_line, put_back, start_writer, writer_items
 from vault import crypto
 from vault.engines.sqlite.vault import Vault, shred
@@ -133,7 +133,7 @@ def restore(big: BigVault) -> None:
     """The vault as built: file bytes back, only the original key's entry in the keyring."""
     put_back(big.db, big.image, big.vault_id, big.kid, big.key)
     original = entry_name(big.vault_id, big.kid)
-    assert keyring_entries(big.vault_id) == {original: big.key}
+    assert key_entries(big.vault_id) == {original: big.key}
 
 
 # --------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def _check_after_kill(big: BigVault, label: str, extra: dict[str, list[Any]]) ->
     n_items = sum(len(items) for items in expected.values())
     with contextlib.closing(sqlite3.connect(big.db)) as conn:
         moving = conn.execute("SELECT 1 FROM memvault_meta WHERE key = 'rotating_from'").fetchone()
-    before = keyring_entries(big.vault_id)
+    before = key_entries(big.vault_id)
     original = entry_name(big.vault_id, big.kid)
     old_before, new_before = original in before, any(n != original for n in before)
 
@@ -229,7 +229,7 @@ def _check_after_kill(big: BigVault, label: str, extra: dict[str, list[Any]]) ->
 
     # The settled state of docs/keys.md: one entry, the file's key version, and a journal
     # with that version current and every other one destroyed.
-    entries = keyring_entries(big.vault_id)
+    entries = key_entries(big.vault_id)
     name = entry_name(big.vault_id, file_kid)
     assert list(entries) == [name], (label, sorted(entries))
     assert crypto.key_id(entries[name]) == file_kid, label
@@ -542,7 +542,7 @@ def test_a_revoke_during_the_next_opens_clean_up_waits_or_wins(big: BigVault) ->
     restore(big)
     r = run_cli("--db", str(big.db), "rotate", env={"MEMVAULT_FAILPOINT": "after-commit"})
     assert r.code == KILLED, r
-    assert len(keyring_entries(big.vault_id)) == 2  # the new key's and the retired one's
+    assert len(key_entries(big.vault_id)) == 2  # the new key's and the retired one's
     revoke: list[Any] = []
     # A revoke runs just as this open deletes the retired key.
     opener = Vault.open(big.db, keystore=Interleaving(_revoke_hook(big, revoke)))

@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 
 import vault.testhooks as testhooks
 from tests.chainkit import insert_chained
-from tests.conftest import keyring_entries
+from tests.conftest import key_entries, keyring_entries
 from vault import crypto
 from vault.engines.sqlite.vault import Vault, shred
 from vault.errors import UnknownSession
@@ -223,7 +223,7 @@ class VaultMachine(RuleBasedStateMachine):
         # The settled state of docs/keys.md: exactly the file's key version in the
         # keyring, and no pending or retired version left in the journal.
         name = entry_name(self.vault_id, sealer.kid)
-        assert keyring_entries(self.vault_id) == {name: sealer.master_key}
+        assert key_entries(self.vault_id) == {name: sealer.master_key}
         states = [v.state for v in self.vault.key_versions() if v.kid != sealer.kid]
         assert set(states) <= {"destroyed"}, states
         assert self.vault.meta().get("scrub_pending") != "1"

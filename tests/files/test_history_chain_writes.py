@@ -17,8 +17,9 @@ import pytest
 
 import vault as vault_pkg
 from tests.conftest import ROOT, add_items, assistant, insert_sealed, run_cli, user
-from vault import Vault, rotation
+from vault import Vault, chainanchor, rotation
 from vault.engines.sqlite.schema import FILE_FORMAT, m008_guard_triggers_text_first
+from vault.keys import KeyStore
 
 
 def verifies(db: Path) -> None:
@@ -210,7 +211,7 @@ def test_rotation_re_macs_every_row(
 
 CUT_OFF_ROTATION = """
 import os, sys
-from vault import Vault, rotation
+from vault import Vault, chainanchor, rotation
 rotation.DEFAULT_BATCH = 3
 os.environ["MEMVAULT_FAILPOINT"] = "after-batch"
 Vault.open(sys.argv[1]).rotate()
@@ -255,8 +256,11 @@ def test_a_restored_backup_verifies_and_takes_new_items(
 
 
 def _unchain(db: Path, keep_heads_of: set[str]) -> None:
-    """The file as m010 leaves it, or as a build cut off after some sessions leaves it."""
+    """The file as m010 leaves it, or as a build cut off after some sessions leaves it;
+    and its keyring as it is then: with no anchor yet (the build's end sets it)."""
     conn = sqlite3.connect(db, isolation_level=None)
+    (vault_id,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
+    chainanchor.forget(KeyStore(), vault_id)
     conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
     for sid in [r[0] for r in conn.execute("SELECT session_id FROM memvault_chain_heads")]:
         if sid not in keep_heads_of:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from tests.conftest import authenticated_counts, keyring_entries, run_cli
+from tests.conftest import authenticated_counts, key_entries, keyring_entries, run_cli
 from vault import crypto
 from vault.engines.sqlite.schema import FILE_FORMAT
 from vault.keyjournal import entry_name
@@ -107,7 +107,7 @@ def assert_moved(db: Path, vault_id: str, key: str) -> None:
     meta = meta_of(db)
     assert meta["format"] == FILE_FORMAT and "legacy_entries" not in meta, meta
     assert crypto.key_id(key) == meta["kid"]
-    assert keyring_entries(vault_id) == {entry_name(vault_id, meta["kid"]): key}
+    assert key_entries(vault_id) == {entry_name(vault_id, meta["kid"]): key}
 
 
 @pytest.mark.parametrize("old_vault", LAYOUTS, indirect=True, ids=["settled", "mid_rotation"])
@@ -157,7 +157,7 @@ def test_a_dead_rotations_pending_key_goes_with_the_move(old_vault: OldVault) ->
     """0.1.0 left `.next` behind when a rotation died before its commit: no row uses it."""
     db, _, vault_id, key = old_vault
     KeyStore().set(vault_id + ".next", crypto.generate_key())
-    assert len(keyring_entries(vault_id)) == 2
+    assert len(key_entries(vault_id)) == 2
 
     r = run_cli("--db", str(db), "--json", "status")
     assert r.code == 0 and r.json()["key"] == "present and matching", r

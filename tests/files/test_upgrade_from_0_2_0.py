@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import keyring_entries, run_cli
+from vault.chainanchor import entry_name as anchor_name
 from vault.engines.sqlite.schema import FILE_FORMAT
 from vault.keys import KeyStore
 
@@ -48,7 +49,8 @@ def old_vault(tmp_path: Path) -> Iterator[OldVault]:
     try:
         yield OldVault(copy, expected)
     finally:
-        for name in entries:
+        vault_id = meta_of(FIXTURE / "history.db")["vault_id"]
+        for name in keyring_entries(vault_id):  # the anchor the upgrade set too
             ks.delete(name)
 
 
@@ -70,3 +72,23 @@ def test_a_0_2_0_vault_reads_every_item_and_moves_to_the_current_format(
     r = run_cli("--db", str(db), "--json", "key", "list")
     assert r.code == 0, r
     assert [k["state"] for k in r.json()["keys"]] == ["destroyed", "current"], r.out
+
+
+def test_the_file_from_before_the_upgrade_put_back_is_refused_not_linked_again(
+    old_vault: OldVault,
+) -> None:
+    db = old_vault.db
+    before = db.read_bytes()
+    sid = next(iter(old_vault.expected))
+    r = run_cli("--db", str(db), "--json", "show", sid)
+    assert r.code == 0, r  # the upgrade: linked, and the vault's anchor set
+    vault_id = meta_of(db)["vault_id"]
+    assert anchor_name(vault_id) in keyring_entries(vault_id)
+    for side in ("-wal", "-shm"):
+        Path(f"{db}{side}").unlink(missing_ok=True)
+    db.write_bytes(before)  # `cp` of the unchained copy over the chained vault
+    for args in (["show", sid], ["verify"], ["export", "--all", "-o", str(db.parent / "out")]):
+        r = run_cli("--db", str(db), *args)
+        assert r.code == 1, (args, r)
+        assert "never chained" in r.err and "Traceback" not in r.err, r
+    assert meta_of(db).get("chain") != "on"  # nothing was linked

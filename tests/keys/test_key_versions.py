@@ -16,6 +16,7 @@ from tests.conftest import (
     add_items,
     assistant,
     authenticated_counts,
+    key_entries,
     keyring_entries,
     run_cli,
     user,
@@ -65,7 +66,7 @@ def test_an_old_kit_restored_into_a_backup_leaves_the_live_vault_working(
     r = run_cli("--json", "show", "s")
     assert r.code == 0 and [i["content"] for i in r.json()["items"]] == ["NORD-42", "noted"], r
     # One entry per key version, each holding the key its name says.
-    entries = keyring_entries(vault.vault_id)
+    entries = key_entries(vault.vault_id)
     assert sorted(entries) == sorted(f"{vault.vault_id}/{k}" for k in (old_kid, new_kid))
     for name, key in entries.items():
         assert crypto.key_id(key) == name.rsplit("/", 1)[1]
@@ -110,7 +111,7 @@ def test_any_number_of_rotations_leave_one_entry(vault: Any, vault_db: Path) -> 
         r = run_cli("rotate")
         assert r.code == 0, r
     kid = status(vault_db)["kid"]
-    assert list(keyring_entries(vault.vault_id)) == [f"{vault.vault_id}/{kid}"]
+    assert list(key_entries(vault.vault_id)) == [f"{vault.vault_id}/{kid}"]
 
 
 @pytest.mark.slow
@@ -164,10 +165,10 @@ def test_a_rotation_killed_before_its_commit_leaves_its_key_for_the_next_open_to
     kid = status(vault_db)["kid"]
     r = run_cli("rotate", env={"MEMVAULT_FAILPOINT": "after-pending"})
     assert r.code == -9, r
-    assert len(keyring_entries(vault.vault_id)) == 2  # the staged key's entry is there
+    assert len(key_entries(vault.vault_id)) == 2  # the staged key's entry is there
     r = run_cli("--json", "key", "list")
     assert r.code == 0, r
     states = {k["kid"]: (k["state"], k["in_keyring"]) for k in r.json()["keys"]}
     assert states.pop(kid) == ("current", True)
     assert list(states.values()) == [("destroyed", False)], states
-    assert list(keyring_entries(vault.vault_id)) == [f"{vault.vault_id}/{kid}"]
+    assert list(key_entries(vault.vault_id)) == [f"{vault.vault_id}/{kid}"]

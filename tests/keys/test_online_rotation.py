@@ -22,7 +22,7 @@ import pytest
 
 import vault as vault_pkg
 from tests.cli.test_ctrl_c import interrupt, rotate_until_paused
-from tests.conftest import add_items, keyring_entries, rows, run_cli, user
+from tests.conftest import add_items, key_entries, keyring_entries, rows, run_cli, user
 from tests.crashkit import start_writer, writer_items
 from tests.keys.test_kit import PASS
 from vault import rotation, testhooks
@@ -103,7 +103,7 @@ def test_rows_under_both_keys_read_whole_and_new_writes_use_the_new_key(
     assert r.json()["resumed"] is True and r.json()["new_kid"] == new, r
     assert kids(vault_db) == {new: 22}
     assert "rotating_from" not in meta(vault_db)
-    assert list(keyring_entries(vault.vault_id)) == [entry_name(vault.vault_id, new)]
+    assert list(key_entries(vault.vault_id)) == [entry_name(vault.vault_id, new)]
     shown = run_cli("--json", "show", "s1").json()["items"]
     assert [i for i in shown] == [*SESSIONS["s1"], user("written meanwhile")]
 
@@ -141,7 +141,7 @@ def test_a_backup_amid_the_batches_finishes_the_rotation_and_copies_one_key(
     assert "rotating_from" not in meta(vault_db)
     assert kids(vault_db) == {new: 21}
     assert kids(dest) == {new: 21} and "rotating_from" not in meta(dest)
-    assert list(keyring_entries(vault.vault_id)) == [entry_name(vault.vault_id, new)]
+    assert list(key_entries(vault.vault_id)) == [entry_name(vault.vault_id, new)]
     shown = run_cli("--db", str(dest), "--json", "show", "s1")
     assert [i for i in shown.json()["items"]] == SESSIONS["s1"], shown
 

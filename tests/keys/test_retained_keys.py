@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import add_items, keyring_entries, run_cli, user
+from tests.conftest import add_items, key_entries, keyring_entries, run_cli, user
 from vault import Vault
 from vault.keyjournal import entry_name
 
@@ -69,9 +69,7 @@ def test_a_rotation_destroys_the_old_key_when_no_backup_uses_it(vault: Any, vaul
     assert r.code == 0, r
     assert r.json()["old_key"] == "destroyed" and r.json()["backups"] == []
     assert journal(vault_db)[old_kid] == "destroyed"
-    assert list(keyring_entries(vault.vault_id)) == [
-        entry_name(vault.vault_id, vault.meta()["kid"])
-    ]
+    assert list(key_entries(vault.vault_id)) == [entry_name(vault.vault_id, vault.meta()["kid"])]
 
 
 def test_rotate_says_which_backups_stay_readable_and_why(
@@ -151,7 +149,7 @@ def test_revoke_and_shred_destroy_retained_versions_too(
 ) -> None:
     b, _ = backed_up(vault, vault_db, tmp_path)
     assert run_cli("--db", str(vault_db), "rotate").code == 0
-    assert len(keyring_entries(vault.vault_id)) == 2
+    assert len(key_entries(vault.vault_id)) == 2
     r = run_cli("--db", str(vault_db), "revoke", "--yes")
     assert r.code == 0, r
     assert keyring_entries(vault.vault_id) == {}
@@ -163,7 +161,7 @@ def test_revoke_and_shred_destroy_retained_versions_too(
     add_items(other, "S", [user("y")])
     assert run_cli("--db", str(other), "backup", str(tmp_path / "b2.db")).code == 0
     assert run_cli("--db", str(other), "rotate").code == 0
-    assert len(keyring_entries(v2_id)) == 2
+    assert len(key_entries(v2_id)) == 2
     r = run_cli("--db", str(other), "shred", "--yes")
     assert r.code == 0, r
     assert keyring_entries(v2_id) == {}
@@ -260,7 +258,7 @@ def test_a_copy_whose_key_was_destroyed_during_the_backup_is_removed_with_its_re
     # The first key, kept for the record that is gone now, goes at the next open.
     Vault.open(vault_db).sealer(refresh=True)
     assert sorted(journal(vault_db).values()) == ["current", "destroyed", "destroyed"]
-    assert len(keyring_entries(vault.vault_id)) == 1
+    assert len(key_entries(vault.vault_id)) == 1
 
 
 def test_init_tells_the_user_to_make_a_recovery_kit(vault_db: Path) -> None:

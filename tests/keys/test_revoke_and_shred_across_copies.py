@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import add_items, keyring_entries, raw_bytes, run_cli, user
+from tests.conftest import add_items, key_entries, keyring_entries, raw_bytes, run_cli, user
 from vault import crypto
 from vault.keyjournal import entry_name
 from vault.keys import KeyStore
@@ -23,7 +23,7 @@ KILLED = -9
 def keyring_kids(vault_id: str) -> set[str]:
     """The key ids of the vault's entries, checked against the names they are stored under."""
     kids = set()
-    for name, key in keyring_entries(vault_id).items():
+    for name, key in key_entries(vault_id).items():
         assert name == entry_name(vault_id, crypto.key_id(key)), name
         kids.add(crypto.key_id(key))
     return kids
@@ -80,7 +80,7 @@ def test_shredding_or_revoking_an_old_copy_keeps_the_live_vaults_key(
     backup = tmp_path / "backup.db"
     shutil.copy(vault_db, backup)
     assert run_cli("rotate").code == 0  # the live vault moves on to a new key
-    live = keyring_entries(vault.vault_id)
+    live = key_entries(vault.vault_id)
     assert len(live) == 1
 
     # The copy knows only the old key, whose entry the rotation deleted.
@@ -91,7 +91,8 @@ def test_shredding_or_revoking_an_old_copy_keeps_the_live_vaults_key(
     assert r.code == 0, r
     assert r.json()["key_destroyed"] is False
     assert not backup.exists()
-    assert keyring_entries(vault.vault_id) == live
+    assert key_entries(vault.vault_id) == live
+    assert f"{vault.vault_id}/anchor" in keyring_entries(vault.vault_id)  # and its anchor
     assert run_cli("show", "s").code == 0
 
 

@@ -121,12 +121,13 @@ def keyring_secrets() -> list[tuple[dict[str, str], str]]:
 
 
 def vault_entries(vault_id: str) -> dict[str, str]:
-    """The keyring entries of one vault: username -> secret."""
+    """The key entries of one vault: username -> secret (its anchor holds no key)."""
     return {
         attrs["username"]: secret
         for attrs, secret in keyring_secrets()
         if attrs.get("service") == SERVICE
         and attrs.get("username", "").startswith((vault_id + "/", vault_id + "."))
+        and attrs["username"] != f"{vault_id}/anchor"
         or attrs.get("username") == vault_id
     }
 

@@ -14,8 +14,9 @@ import pytest
 
 import vault as vault_pkg
 from tests.conftest import add_items, run_cli, user
-from vault import Vault
+from vault import Vault, chainanchor
 from vault.errors import HistoryTampered
+from vault.keys import KeyStore
 
 
 def rows(db: Path, sid: str) -> list[tuple[int, str, str | None]]:
@@ -163,6 +164,27 @@ def test_an_upgrade_stops_on_a_row_whose_session_id_is_not_text(
     conn.execute("DELETE FROM memvault_chain_heads")
     conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
     conn.close()
+    chainanchor.forget(KeyStore(), vault.vault_id)  # as a vault from before the chain
     r = run_cli("--json", "verify", timeout=60)
     assert r.code == 1, r
     assert contents(vault_db, "s") == ["s0"]
+
+
+def test_a_chained_vault_rewritten_to_look_unchained_is_refused_not_linked_again(
+    vault: Vault, vault_db: Path
+) -> None:
+    """Its upgrade would link the rows in whatever order they are found: an attacker who
+    edits the history, removes the links and heads and says "building" must not get
+    the edit vouched for. The vault's anchor, outside the file, says it was chained."""
+    add_items(vault_db, "s", [user(f"A{i}") for i in range(5)])
+    ids = [r[0] for r in rows(vault_db, "s")]
+    sql(vault_db, "DELETE FROM agent_messages WHERE id = ?", ids[2])
+    sql(vault_db, "UPDATE agent_messages SET chain = NULL")
+    sql(vault_db, "DELETE FROM memvault_chain_heads")
+    sql(vault_db, "UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
+    for args in (["verify"], ["show", "s"], ["show", "s", "--include-tampered"]):
+        r = run_cli("--db", str(vault_db), *args)
+        assert r.code == 1 and "never chained" in r.err and "Traceback" not in r.err, r
+    with pytest.raises(HistoryTampered):
+        add_items(vault_db, "s", [user("more")])
+    assert all(link is None for _i, _t, link in rows(vault_db, "s"))  # nothing linked

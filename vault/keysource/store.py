@@ -307,6 +307,27 @@ def host_keyring(ks: KeyStore) -> KeyStore | None:
     return local
 
 
+def anchor_store(ks: KeyStore) -> KeyStore | None:
+    """Where the vault's anchor (vault.chainanchor) lives: a keyring vault's keyring. A
+    transit vault has none yet (the service could hold it; not built)."""
+    return None if isinstance(ks, TransitStore) else ks
+
+
+def forget_anchor(store: KeyStore | None, vault_id: str, in_use: set[str]) -> None:
+    """Before revoke or shred destroys the vault's keys: its anchor (vault.chainanchor)
+    goes first, while the vault's own key is there to tell that the anchor is this
+    vault's. A copy whose key the live vault no longer uses (it rotated since) leaves
+    the live vault's anchor alone; a kill after this step leaves a vault without an
+    anchor, which the finished revoke or shred then destroys anyway."""
+    if store is None:
+        return
+    from vault import chainanchor
+    from vault.keyjournal import entry_name
+
+    if any(store.get(entry_name(vault_id, kid)) is not None for kid in sorted(in_use)):
+        chainanchor.forget(store, vault_id)
+
+
 def destroy_versions(
     ks: KeyStore, vault_id: str, kids: set[str], in_use: set[str]
 ) -> dict[str, Any]:
@@ -315,8 +336,9 @@ def destroy_versions(
     keyring still holds of it, then its transit key (`revoke_source`)."""
     from vault import keyjournal
 
-    outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
     local = host_keyring(ks)
+    forget_anchor(local if isinstance(ks, TransitStore) else ks, vault_id, in_use)
+    outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
     if local is not None:
         here = keyjournal.destroy_entries(local, vault_id, kids, in_use)
         for field in ("destroyed_kids", "other_copies_kids"):

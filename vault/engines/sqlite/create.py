@@ -22,14 +22,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from vault import crypto, durations, erase, files, keyjournal, paths, targets, testhooks
+from vault import (
+    chainanchor,
+    crypto,
+    durations,
+    erase,
+    files,
+    keyjournal,
+    paths,
+    targets,
+    testhooks,
+)
 from vault.engines.sqlite.db import VaultFile, audit
 from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import FILE_FORMAT, SQLITE_MAGIC, migrate, utcnow
 from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
-from vault.keysource.store import TransitStore, stage_first_key, unstage_first_key
+from vault.keysource.store import (
+    TransitStore,
+    anchor_store,
+    stage_first_key,
+    unstage_first_key,
+)
 from vault.vaultops import new_identity, new_meta
 
 # The vault class `create` builds (sqlite.vault.Vault, which calls it: a type variable, so
@@ -76,8 +91,12 @@ def reclaim_interrupted(folder: Path, target: Path, keystore: KeyStore | None) -
             continue
         entry = _entry_of(token)
         if entry is not None:
+            ks = keystore or KeyStore()
             with contextlib.suppress(VaultError):
-                (keystore or KeyStore()).delete(entry)
+                ks.delete(entry)
+                anchored = anchor_store(ks)
+                if anchored is not None:
+                    chainanchor.forget(anchored, entry.partition("/")[0])
         _destroy_with_side_files(tmp)
         reclaimed += 1
     if reclaimed:
@@ -135,12 +154,15 @@ def create(
             "folder with --db or MEMVAULT_DB"
         ) from None
     linked = False
+    anchored = anchor_store(ks)
     try:
         # The key goes in first: a kill before the link leaves an unused keyring entry,
         # which the temporary file's name lets the next `init` reclaim.
         rows = stage_first_key(ks, vault_id, kid, key)  # a transit key: wrapped, for meta
         testhooks.failpoint("init-key-stored")
         _build(cls(tmp, ks), vault_id, kid, ttl, rows)
+        if anchored is not None:  # born chained: no later file of it may say otherwise
+            chainanchor.mark_chained(anchored, vault_id)
         os.fsync(fd)
         testhooks.failpoint("init-built")
         if os.name == "nt":  # Windows unlinks no open file (and has no flock to keep)
@@ -169,6 +191,8 @@ def create(
             _destroy_with_side_files(tmp)
             with contextlib.suppress(VaultError):
                 unstage_first_key(ks, vault_id, kid)
+                if anchored is not None:
+                    chainanchor.forget(anchored, vault_id)
         raise
     finally:
         if fd >= 0:

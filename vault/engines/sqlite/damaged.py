@@ -16,6 +16,7 @@ from typing import Any
 
 from vault import files, keyjournal, paths
 from vault.keys import KeyStore
+from vault.keysource.store import anchor_store, forget_anchor
 
 _RAW_VAULT_ID = re.compile(rb"vault_id(mv-[0-9a-f]{24})")
 _RAW_KID = re.compile(rb"(mv1:[0-9a-f]{16})")
@@ -93,7 +94,9 @@ def destroy_keys(path: Path, keystore: KeyStore | None, report: dict[str, Any]) 
     report.setdefault("kid", None)
     ks = keystore or KeyStore()
     ks.check_usable()
-    report.update(keyjournal.destroy_entries(ks, vault_id, kids, {report["kid"]} - {None}))
+    in_use = {report["kid"]} - {None}
+    forget_anchor(anchor_store(ks), vault_id, in_use or kids)
+    report.update(keyjournal.destroy_entries(ks, vault_id, kids, in_use))
     if report.get("foreign_kid"):
         report["key_problem"] = (
             f"the keyring entry of {vault_id} holds key {report['foreign_kid']}, which this file "

@@ -48,7 +48,7 @@ from vault.keyjournal import (
     entry_name,
 )
 from vault.keys import KeyStore
-from vault.keysource.store import destroy_versions, host_keyring
+from vault.keysource.store import anchor_store, destroy_versions, host_keyring
 from vault.results import KeyVersionInfo, Report
 
 
@@ -109,11 +109,17 @@ class KeyLifecycle(KeptVersions):
             # The first command that holds the key after the upgrade links the rows the
             # file had (any command: verify too, as it moves a 0.1.0 key). Imported here:
             # every command loads this module, few need the chain.
-            from vault import chainops
+            from vault import chainanchor, chainops
             from vault.engines.sqlite import chainrows
 
             vid = meta["vault_id"]
+            anchored = anchor_store(self.keystore)
+            chainops.refuse_unchained(
+                anchored, vid, str(self.path), lambda: self.meta().get(chainops.CHAIN_META)
+            )
             chainrows.build(self, chainops.key_of(sealer, vid), chainops.keys_for(sealer, vid))
+            if anchored is not None:
+                chainanchor.mark_chained(anchored, vid)
         if (
             meta["format"] == LEGACY_FORMAT
             or keyjournal.LEGACY_MARK in meta

@@ -33,7 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vault import backupmark, files, keyjournal, paths, retention, targets, testhooks
+from vault import (
+    backupmark,
+    chainanchor,
+    chainops,
+    files,
+    keyjournal,
+    paths,
+    retention,
+    targets,
+    testhooks,
+)
 from vault.engines.sqlite.backup import refuse_unbackable
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
@@ -56,6 +66,7 @@ from vault.engines.sqlite.restorestate import (
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
+from vault.keys import KeyStore
 from vault.keysource.store import WRAPPED, is_transit, same_source
 from vault.verify import verify
 
@@ -84,6 +95,7 @@ class RestorePlan:
     replaced_items: int | None = None
     replaced_kid: str | None = None
     checked: list[str] = field(default_factory=list)
+    unchained: bool = False  # made before the history chain: its rows get linked as found
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -165,6 +177,7 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
     replaces = os.path.lexists(live)
     same = "the same vault id" if replaces else "no vault at the path"
     plan = verified_plan(src, str(live), meta, replaces, [same])
+    plan.unchained = meta.get(chainops.CHAIN_META) != chainops.ON and not is_transit(meta)
     if plan.replaces:
         plan.replaced_items = current.count_items()
         plan.replaced_kid = current.meta()["kid"]
@@ -224,6 +237,10 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 finish_locked(live)  # back to the vault as it was, or finished if committed
             raise
+    if plan.unchained:
+        # On purpose: the vault is put back to a state before its history was chained,
+        # so its anchor no longer holds (the next open links the rows as restored).
+        chainanchor.forget(KeyStore(), plan.vault_id)
     return {**plan.as_dict(), "restored": True}
 
 
