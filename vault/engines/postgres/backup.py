@@ -16,11 +16,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vault import chainops
 from vault.engines.postgres import rotate as pgrotate
 from vault.engines.sqlite import backup as file_backup
-from vault.engines.sqlite import filecopy
+from vault.engines.sqlite import chainrows, filecopy
 from vault.engines.sqlite.db import connect, sqlite_errors
-from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, migrate
+from vault.engines.sqlite.schema import FILE_FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, migrate
 from vault.errors import VaultBusy
 from vault.keyjournal import CURRENT, DESTROYED
 from vault.verify import BATCH
@@ -86,6 +87,8 @@ def refuse_unsettled(vault: PgVault, meta: dict[str, str], then: str, revoked: s
 
 def _copy(vault: PgVault, target: Path) -> None:
     """Build the vault file: memvault's schema, then the snapshot's rows in batches."""
+    sealer = vault.sealer()  # a cut-off rotation was finished: one key seals every row
+    key = chainops.key_of(sealer, vault.meta()["vault_id"])
     with sqlite_errors(target):
         out = connect(target)
         try:
@@ -97,6 +100,7 @@ def _copy(vault: PgVault, target: Path) -> None:
                     r[0]: r[1] for r in await conn.fetch("SELECT key, value FROM memvault_meta")
                 }
                 _refuse(vault, meta)  # again, in the snapshot that is copied
+                meta["format"] = FILE_FORMAT  # a vault file, chained (the server's is not)
                 out.executemany(
                     "INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items()
                 )
@@ -144,10 +148,10 @@ def _copy(vault: PgVault, target: Path) -> None:
                     f"FROM {MESSAGES_TABLE} ORDER BY created_at, id"
                 )
                 while batch := await cursor.fetch(BATCH):
-                    out.executemany(
-                        f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at) "
-                        "VALUES (?, ?, ?)",
-                        [tuple(r) for r in batch],
+                    # Linked as the file vault's writers link them: a vault file is
+                    # chained (docs/history-chain.md), this history from the copy on.
+                    chainrows.insert_rows(
+                        out, key, [(r[0], r[1]) for r in batch], [r[2] for r in batch]
                     )
 
             vault.run(read)

@@ -68,19 +68,25 @@ def insert_rows(
     conn: sqlite3.Connection,
     key: ChainKey,
     rows: Sequence[tuple[str, str]],
-    created_at: str | None = None,
+    created_at: str | Sequence[str] | None = None,
 ) -> None:
     """Insert (session_id, message_data) rows in this order, each with its link, each
     session's head moved: a bulk insert with SQL as memvault's writers do it (the
-    benches and the tests fill vaults so)."""
+    benches and the tests fill vaults so, and a PostgreSQL vault's backup file).
+    `created_at`: one stamp for every row, or one per row."""
     by_session: dict[str, list[str]] = {}
     for sid, text in rows:
         by_session.setdefault(sid, []).append(text)
     links = {sid: iter(append(conn, key, sid, texts, "")) for sid, texts in by_session.items()}
+    stamps = (
+        [created_at] * len(rows)
+        if created_at is None or isinstance(created_at, str)
+        else created_at
+    )
     conn.executemany(
         f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, chain, created_at) "
         "VALUES (?, ?, ?, coalesce(?, CURRENT_TIMESTAMP))",
-        [(sid, text, next(links[sid]), created_at) for sid, text in rows],
+        [(sid, text, next(links[sid]), at) for (sid, text), at in zip(rows, stamps, strict=True)],
     )
 
 
