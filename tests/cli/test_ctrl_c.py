@@ -25,8 +25,8 @@ from tests.conftest import (
     assistant,
     authenticated_counts,
     default_sigint,
+    key_entries,
     key_entry,
-    keyring_entries,
     rows,
     run_cli,
     run_on_terminal,
@@ -96,7 +96,7 @@ def test_ctrl_c_before_the_switch_commits_nothing(vault: Any, vault_db: Path) ->
     fresh = type(vault).open(vault_db)
     assert fresh.sealer(refresh=True).kid == before_kid
     assert rows(vault_db) == before_rows
-    assert list(keyring_entries(fresh.vault_id)) == [key_entry(fresh)]  # the new key was dropped
+    assert list(key_entries(fresh.vault_id)) == [key_entry(fresh)]  # the new key was dropped
     r = run_cli("show", "big", "--limit", "1")
     assert r.code == 0 and f"message {ITEMS - 1}" in r.out, r
 
@@ -118,7 +118,7 @@ def test_ctrl_c_amid_the_batches_says_the_next_command_finishes(vault: Any, vaul
     assert st["kid"] != before_kid and st["items"] == ITEMS and not st["scrub_pending"]
     assert authenticated_counts(vault_db) == (ITEMS, 0, 0)
     assert {json.loads(data)["kid"] for data in rows(vault_db)} == {st["kid"]}
-    assert list(keyring_entries(vault.vault_id)) == [f"{vault.vault_id}/{st['kid']}"]
+    assert list(key_entries(vault.vault_id)) == [f"{vault.vault_id}/{st['kid']}"]
 
 
 @pytest.mark.slow

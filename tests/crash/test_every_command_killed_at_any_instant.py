@@ -500,8 +500,8 @@ def settle_after_killed_init(db: Path, before: set[str], label: str) -> None:
         st = run_cli("--db", str(db), "--json", "status")
         assert st.code == 0, (label, st)
     vault_id = st.json()["vault_id"]
-    new = memvault_entries() - before
-    assert new == {f"{vault_id}/{st.json()['kid']}"}, (label, new)
+    new = memvault_entries() - before  # its key, and its anchor (vault.chainanchor)
+    assert new == {f"{vault_id}/{st.json()['kid']}", f"{vault_id}/anchor"}, (label, new)
     assert sorted(p.name for p in db.parent.iterdir()) == [db.name], label
     assert run_cli("--db", str(db), "shred", "--yes").code == 0, label
     assert memvault_entries() == before, label

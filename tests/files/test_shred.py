@@ -15,7 +15,16 @@ from typing import Any
 import keyring
 import pytest
 
-from tests.conftest import ROOT, add_items, key_entry, keyring_entries, raw_bytes, run_cli, user
+from tests.conftest import (
+    ROOT,
+    add_items,
+    key_entries,
+    key_entry,
+    keyring_entries,
+    raw_bytes,
+    run_cli,
+    user,
+)
 
 FILES = ("", "-wal", "-shm", "-journal")
 
@@ -96,7 +105,7 @@ def test_shred_killed_half_way_is_finished_by_the_next_run(
     vid = vault.vault_id
     with contextlib.closing(sqlite3.connect(vault_db)) as conn:
         kids = [k for (k,) in conn.execute("SELECT kid FROM memvault_keys")]
-    assert kids and set(keyring_entries(vid)) == {f"{vid}/{k}" for k in kids}
+    assert kids and set(key_entries(vid)) == {f"{vid}/{k}" for k in kids}
     crashed_vault_writer(vault_db, [user("IN-THE-WAL-" + "y" * 3000) for _ in range(5)])
     # Descriptors held across the unlinks: what each inode holds at the end is readable.
     with contextlib.ExitStack() as stack:

@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tests.cli.test_ctrl_c import interrupt, rotate_until_paused
-from tests.conftest import add_items, keyring_entries, run_cli, user
+from tests.conftest import add_items, key_entries, run_cli, user
 from tests.keys.test_kit import (
     PASS,
     copy_vault,
@@ -38,7 +38,7 @@ def test_a_kit_holds_the_pending_version_of_a_rotation_under_way(
     current = vault.meta()["kid"]
     proc = rotate_until_paused("after-pending")  # the new key stored, nothing committed
     try:
-        pending = [k for k in keyring_entries(vault.vault_id) if not k.endswith(current)]
+        pending = [k for k in key_entries(vault.vault_id) if not k.endswith(current)]
         assert len(pending) == 1
         out = tmp_path / "kit.json"
         # The kit is written; recording the export waits for the rotation's lock: exit 5.
@@ -56,7 +56,7 @@ def test_a_kit_holds_the_pending_version_of_a_rotation_under_way(
     doc = json.loads(out.read_text())
     assert doc["version"] == 2 and doc["kid"] == current
     assert sorted(doc["kids"]) == sorted([current, pending[0].split("/", 1)[1]])
-    for key in keyring_entries(vault.vault_id).values():
+    for key in key_entries(vault.vault_id).values():
         no_secret(key, r)
 
 
@@ -85,7 +85,7 @@ def test_one_kit_opens_the_live_vault_and_a_cp_copy_made_before_a_rotation(
     vault.keystore.delete(key_entry(vault))
     r = import_(both, "--json")
     assert r.code == 0 and r.json()["stored_kids"] == [new_kid], r
-    assert sorted(keyring_entries(vault.vault_id)) == [entry_name(vault.vault_id, new_kid)]
+    assert sorted(key_entries(vault.vault_id)) == [entry_name(vault.vault_id, new_kid)]
     assert run_cli("show", "s").code == 0
     no_secret(old_key, r)
     no_secret(new_key, r)

@@ -19,6 +19,7 @@ import vault as vault_pkg
 from tests.conftest import (
     ROOT,
     add_items,
+    key_entries,
     key_entry,
     keyring_entries,
     raw_bytes,
@@ -166,9 +167,9 @@ def test_no_output_or_error_ever_contains_any_key_version(
     keys: set[str] = set()
 
     def run(*args: str, code: int | None = None) -> Any:
-        keys.update(keyring_entries(vault.vault_id).values())
+        keys.update(key_entries(vault.vault_id).values())
         r = run_cli(*args)
-        keys.update(keyring_entries(vault.vault_id).values())
+        keys.update(key_entries(vault.vault_id).values())
         assert code is None or r.code == code, (args, r)
         return r
 
