@@ -81,6 +81,7 @@ def test_operations_on_one_loop_share_one_connection_closed_when_the_loop_ends(
         return await asyncio.to_thread(alive, pg_url, list(opened))
 
     caplog.set_level(logging.DEBUG, logger="asyncio")
+    gc.collect()  # what earlier tests left is finalized before the check, not inside it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         during = asyncio.run(go())
@@ -88,7 +89,8 @@ def test_operations_on_one_loop_share_one_connection_closed_when_the_loop_ends(
     assert len(opened) == 1, f"four operations opened {len(opened)} connections, not one pool's"
     assert during == set(opened), "the pooled connection was not open between operations"
     assert all_gone(pg_url, opened) == set(), "the loop ended, its pool's connection stayed open"
-    assert not [w for w in caught if "loop" in str(w.message) or w.category is ResourceWarning]
+    left = [w for w in caught if "loop" in str(w.message) or w.category is ResourceWarning]
+    assert not left, [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in left]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
