@@ -42,6 +42,7 @@ def open_session(
     db_path: str | os.PathLike[str] | None = None,
     *,
     session_settings: SessionSettings | dict[str, Any] | None = None,
+    read_cache: bool = True,
 ) -> VaultSession:
     """An `EncryptedSession` over `SQLiteSession` on the vault file, TTL from the vault.
 
@@ -54,6 +55,10 @@ def open_session(
     is checked against the file before anything is read or written.
     `session_settings` (e.g. `SessionSettings(limit=20)`) is passed to the
     `SQLiteSession` underneath, as `SQLiteSession(..., session_settings=...)` takes it.
+
+    The session keeps each item it decrypted in memory while it is open, so the runner's
+    read before each turn decrypts only what is new (vault.readcache). `read_cache=False`
+    decrypts every item on every read instead (SECURITY.md, "The read cache").
     """
     from vault.engines.registry import open_vault
 
@@ -62,4 +67,5 @@ def open_session(
     session: VaultSession = open_vault(db_path).session(
         session_id, session_settings=session_settings
     )
+    session.read_cache = read_cache
     return session

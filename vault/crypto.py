@@ -351,6 +351,14 @@ def rotate_row_stamped(
     return json.dumps(env), ts
 
 
+def decrypt_stamped(f: Fernet, token: str) -> tuple[bytes, int]:
+    """Authenticate and decrypt a token with no TTL: its plaintext and its authenticated
+    time, for a caller that judges the TTL itself later (vault.readcache). InvalidToken
+    when it does not authenticate."""
+    raw = token.encode("ascii", "replace")
+    return f.decrypt(raw), _token_time(raw)
+
+
 def token_timestamp(message_data: str) -> int | None:
     """The (unauthenticated) Fernet timestamp of a row; for counting, never for trust."""
     env = parse_envelope(message_data)

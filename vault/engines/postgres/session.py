@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from agents import SessionSettings
 from agents.extensions.memory import EncryptedSession
 from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
+from agents.memory.session_settings import resolve_session_limit
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -144,7 +145,7 @@ class PgVaultSession(VaultSession):
             self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
         self._meta_kid = meta.get("kid")
 
-    def _unwrap(self, item: Any) -> Any:
+    def _open_envelope(self, item: Any) -> Any:
         # As VaultSession's (reload the key when the vault moved on), and while an online
         # rotation runs (vault.engines.postgres.rotate), open a row not yet moved with the old key.
         kid = item.get("kid") if isinstance(item, dict) and item.get("__enc__") == 1 else None
@@ -170,7 +171,8 @@ class PgVaultSession(VaultSession):
         while True:
             kid = self._kid
             try:
-                items = await EncryptedSession.get_items(self, limit, wrapper=wrapper)
+                with self._reading(resolve_session_limit(limit, self.session_settings) is None):
+                    items = await EncryptedSession.get_items(self, limit, wrapper=wrapper)
             except (DBAPIError, OSError, TimeoutError) as exc:
                 raise self._translate(exc) from None
             if self._meta_kid not in (None, self._kid):

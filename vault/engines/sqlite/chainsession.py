@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cryptography.fernet import InvalidToken
 
 from vault import chainops
-from vault.chain import ChainKey, Head
+from vault.chain import ChainKey, Head, Link
 from vault.chaincheck import check, check_tail
 from vault.engines.sqlite.chainrows import (
     after_pop,
@@ -102,37 +103,103 @@ def pop_newest(
     return item
 
 
+@dataclass(frozen=True)
+class Memo:
+    """What an open session last read in full and judged (its read cache's part in the
+    file): the head as stored, and the envelopes of every item it vouches for, oldest
+    first. Never handed out: a read returns copies."""
+
+    stored: str
+    head: Head
+    envelopes: list[Any]
+
+
 def read_items(
-    conn: sqlite3.Connection, session_id: str, limit: int | None, keys_of: KeysOf, where: str
-) -> list[Any]:
+    conn: sqlite3.Connection,
+    session_id: str,
+    limit: int | None,
+    keys_of: KeysOf,
+    where: str,
+    memo: Memo | None = None,
+    keep: int = 0,
+) -> tuple[list[Any], Memo | None]:
     """The SDK's `get_items`: the session's rows (all, or the newest `limit`, as the SDK
     takes it), oldest first, decoded, read in one snapshot with the head and judged
     first (HistoryTampered). A chained session has no undecodable rows to skip past
-    (the guard refuses them; one there is tampering), so the window is `limit`."""
+    (the guard refuses them; one there is tampering), so the window is `limit`.
+
+    With `keep` > 0 (the session's read cache), a full read of at most `keep` items is
+    kept as a Memo, and a later read whose authenticated head shows the same history, or
+    that history with items appended, reads and judges only the appended rows."""
     if limit is not None and limit <= 0:
         limit = None if limit < 0 else 0  # the SDK's: a negative limit is no limit
     if limit == 0:
-        return []
-    return [json.loads(text) for text in _read_checked(conn, session_id, limit, keys_of, where)]
-
-
-def _read_checked(
-    conn: sqlite3.Connection, session_id: str, limit: int | None, keys_of: KeysOf, where: str
-) -> list[str]:
+        return [], memo
     conn.execute("BEGIN")
     try:
         keys = keys_of(file_kid(conn))
         if keys is None:
             raise VaultBusy(f"{where} kept changing key while being read; try again")
+        if not chained(conn):
+            return _decoded(session_rows(conn, session_id, limit)), None
+        stored = read_head(conn, session_id)
+        head = Head.decode(stored)
+        if memo is not None and keep and stored is not None and head is not None:
+            memo = _caught_up(conn, keys, session_id, stored, head, memo, keep)
+        else:
+            memo = None
+        if memo is not None:
+            kept = memo.envelopes if limit is None else memo.envelopes[-limit:]
+            return [dict(e) for e in kept], memo
         rows = session_rows(conn, session_id, limit)
-        if chained(conn):
-            head = Head.decode(read_head(conn, session_id))
-            verdict = (
-                check(keys, session_id, rows, head)
-                if limit is None
-                else check_tail(keys, session_id, rows, head, limit)
-            )
-            chainops.refuse(verdict, session_id, where)
-        return [text for text, _link in rows]
+        verdict = (
+            check(keys, session_id, rows, head)
+            if limit is None
+            else check_tail(keys, session_id, rows, head, limit)
+        )
+        chainops.refuse(verdict, session_id, where)
+        items = _decoded(rows)
+        if limit is None and stored is not None and head is not None and len(items) <= keep:
+            return [dict(e) for e in items], Memo(stored, head, items)
+        return items, None
     finally:
         conn.execute("COMMIT")
+
+
+def _decoded(rows: Sequence[tuple[str, str | None]]) -> list[Any]:
+    return [json.loads(text) for text, _link in rows]
+
+
+def _caught_up(
+    conn: sqlite3.Connection,
+    keys: dict[str, ChainKey],
+    session_id: str,
+    stored: str,
+    head: Head,
+    memo: Memo,
+    keep: int,
+) -> Memo | None:
+    """The memo for `head`, or None when only a full read can tell (then judged whole).
+
+    The same stored head is the same history. A head of the same key, epoch and base
+    that ends further on appended items, if the rows from the memo's last item to the
+    head's last are the head's last ones (`check_tail`), and that first row is the
+    memo's last item (its ident: each ident MACs the one before it, so the same ident
+    is the same history up to it)."""
+    if stored == memo.stored:
+        return memo
+    old = memo.head
+    grown = head.end - old.end
+    if (head.kid, head.epoch, head.base) != (old.kid, old.epoch, old.base) or grown <= 0:
+        return None
+    if len(memo.envelopes) + grown > keep:
+        return None
+    want = grown + (1 if old.count else 0)
+    rows = session_rows(conn, session_id, want)
+    if len(rows) != want or not check_tail(keys, session_id, rows, head, want).ok:
+        return None
+    if old.count:
+        first = Link.decode(rows[0][1])
+        if first is None or first.ident != old.last:
+            return None
+    return Memo(stored, head, memo.envelopes + _decoded(rows[len(rows) - grown :]))

@@ -34,8 +34,9 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
   from the vault's key, and again after a rotation.
 - `EncryptedSession._kid`: the `kid` written into every envelope; set to the
   vault's key id, which the file's triggers require.
-- `EncryptedSession._unwrap(item)`: opens one envelope; overridden to reload the
-  key when an envelope is under a newer key id.
+- `EncryptedSession._unwrap(item)`: opens one envelope; overridden by the read cache
+  (vault.readcache.CachedReads), and behind it (`_open_envelope`) to reload the key
+  when an envelope is under a newer key id.
 - `EncryptedSession._get_compaction_snapshot(limit)`: what the compaction wrapper
   reads; it computes `now - ttl`, so it is overridden for a vault that never
   expires.
@@ -64,13 +65,14 @@ from agents.extensions.memory import EncryptedSession
 from agents.memory.session_settings import resolve_session_limit
 from cryptography.fernet import InvalidToken
 
-from vault import chainops, crypto
+from vault import chainops, crypto, readcache
 from vault.backupmark import is_backup, refuse
 from vault.engines.sqlite import chainsession, sdkerrors
-from vault.engines.sqlite.db import configure, is_busy, lock_timeout, parse_ttl
+from vault.engines.sqlite.db import configure, is_busy, lock_timeout, parse_ttl, read_meta
 from vault.engines.sqlite.schema import GUARD_MESSAGE
 from vault.engines.sqlite.sdkerrors import also_sqlite, sdk_error, undecodable_rows_as_none
-from vault.errors import NotAVault, UnknownSession, VaultError
+from vault.errors import UnknownSession, VaultError
+from vault.readcache import CachedReads
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -99,13 +101,14 @@ class VaultSQLiteSession(SQLiteSession):
     ) -> None:
         self._vault_path = db_path
         self._identity = sdkerrors.file_identity(db_path)
-        # Called with a connection when the file changed since that connection last looked.
-        self.on_change: Callable[[sqlite3.Connection], None] | None = None
+        self.on_change: Callable[[sqlite3.Connection], None] | None = None  # file changed
         self._versions: dict[sqlite3.Connection, int] = {}
         self.deleted = False  # set by a pop that removed a row, for the scrub
         # The chain keys for the file's kid (VaultSession._chain_keys); None: stale key.
         self.chain_keys: chainsession.KeysOf = lambda _kid: None
         self.chain_key: Callable[[], Any] = lambda: None  # the session's own (a write's)
+        self.memo: chainsession.Memo | None = None  # the read cache's part (vault.readcache)
+        self.keep: Callable[[], int] = lambda: 0  # the most items the memo holds; 0: none
         super().__init__(session_id, db_path, session_settings=session_settings)
 
     @staticmethod
@@ -120,8 +123,7 @@ class VaultSQLiteSession(SQLiteSession):
         sdkerrors.check_identity(self._vault_path, self._identity)
 
     def _init_db_for_connection(self, conn: sqlite3.Connection) -> None:
-        # The vault created the SDK's tables already; creating them here could only
-        # write into a file that is not the vault.
+        # The vault made the SDK's tables; making them here could only write another file.
         self._check_file()
 
     def _get_connection(self) -> sqlite3.Connection:
@@ -151,8 +153,7 @@ class VaultSQLiteSession(SQLiteSession):
         return conn
 
     def _notice_changes(self, conn: sqlite3.Connection) -> None:
-        # data_version moves only when another connection committed: one cheap pragma
-        # per call, and the vault's metadata is read again only after a change.
+        # data_version moves only when another connection committed: the meta is reread then.
         try:
             version = conn.execute("PRAGMA data_version").fetchone()[0]
             if self._versions.get(conn) != version:
@@ -171,8 +172,8 @@ class VaultSQLiteSession(SQLiteSession):
 
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
-        key = self.chain_key()
-        chainsession.insert_items(conn, self.session_id, texts, key, str(self._vault_path))
+        key, where = self.chain_key(), str(self._vault_path)
+        chainsession.insert_items(conn, self.session_id, texts, key, where)
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         # The SDK's read, its rows judged with their head in the same snapshot first.
@@ -182,9 +183,11 @@ class VaultSQLiteSession(SQLiteSession):
     def _read_checked(self, wanted: int | None) -> list[Any]:
         with self._locked_connection() as conn:
             try:
-                return chainsession.read_items(
-                    conn, self.session_id, wanted, self.chain_keys, str(self._vault_path)
-                )
+                items, self.memo = chainsession.read_items(
+                    conn, self.session_id, wanted, self.chain_keys, str(self._vault_path),
+                    self.memo, self.keep(),
+                )  # fmt: skip
+                return items
             except sqlite3.Error as exc:
                 raise sdk_error(exc, self._vault_path) from exc
 
@@ -205,7 +208,7 @@ class VaultSQLiteSession(SQLiteSession):
         return item
 
 
-class VaultSession(EncryptedSession):
+class VaultSession(CachedReads, EncryptedSession):
     """EncryptedSession that writes the vault's key id and survives rotations.
 
     After another process rotates, the next write is refused by the file's
@@ -233,6 +236,7 @@ class VaultSession(EncryptedSession):
         underlying.on_change = self._on_change
         underlying.chain_keys = self._chain_keys
         underlying.chain_key = lambda: chainops.key_of(self._sealer, self._vault_id)
+        underlying.keep = lambda: readcache.MAX_ITEMS if self.read_cache else 0
 
     def _start(self, session_id: str, underlying: Any, sealer: Any, ttl: int | None) -> None:
         """EncryptedSession over `underlying` under the current key (both engines)."""
@@ -244,6 +248,7 @@ class VaultSession(EncryptedSession):
             ttl=ttl,  # type: ignore[arg-type]  # None means never, as Fernet allows
         )
         self._use(sealer)
+        self.read_cache = True
 
     def _use(self, sealer: Any) -> None:
         self.cipher = sealer.fernet(self.session_id)
@@ -259,13 +264,7 @@ class VaultSession(EncryptedSession):
         return changed
 
     def _on_change(self, conn: sqlite3.Connection) -> None:
-        meta = dict(
-            conn.execute(
-                "SELECT key, value FROM memvault_meta WHERE key IN ('kid', 'ttl_seconds')"
-            ).fetchall()
-        )
-        if "kid" not in meta:
-            raise NotAVault(f"{self._db_path} lacks the vault's kid; it is not a usable vault")
+        meta = read_meta(conn, self._db_path)  # NotAVault when its kid is gone
         self.ttl = parse_ttl(meta, self._db_path)  # type: ignore[assignment]
         if meta["kid"] != self._kid:
             self._refresh()
@@ -282,7 +281,7 @@ class VaultSession(EncryptedSession):
     def _file_kid(self) -> str:
         return self._vault.meta()["kid"]
 
-    def _unwrap(self, item: Any) -> Any:
+    def _open_envelope(self, item: Any) -> Any:
         if (
             isinstance(item, dict)
             and item.get("__enc__") == 1
@@ -301,22 +300,20 @@ class VaultSession(EncryptedSession):
 
     def _sdk_unwrap(self, item: Any) -> Any:
         try:
-            return super()._unwrap(item)
+            return EncryptedSession._unwrap(self, item)  # not the read cache's (CachedReads)
         except (ValueError, RecursionError):
-            # Authenticated, yet no JSON item (not UTF-8, not JSON, nested deeper than the
-            # parser's stack): only a holder of the key could seal it. Skipped as the SDK
-            # skips a token it cannot open, rather than ending the agent's read.
+            # Authenticated, yet no JSON item (only a holder of the key seals one): skipped,
+            # as the SDK skips a token it cannot open, rather than ending the agent's read.
             return None
 
     async def get_items(self, limit: int | None = None, *, wrapper: Any = None) -> Any:
         # One read is one SQLite snapshot. If the key changed while unwrapping it (another
-        # process rotated, perhaps twice), rows of that snapshot may be under a key this
-        # session no longer holds and would be skipped as unreadable: read again rather
-        # than return a partial or empty history.
+        # process rotated), read again rather than return a partial or empty history.
         while True:
             kid = self._kid
             try:
-                items = await super().get_items(limit, wrapper=wrapper)
+                with self._reading(resolve_session_limit(limit, self.session_settings) is None):
+                    items = await super().get_items(limit, wrapper=wrapper)
             except sqlite3.Error as exc:
                 raise sdk_error(exc, self._db_path) from exc
             if self._kid == kid:
@@ -367,6 +364,7 @@ class VaultSession(EncryptedSession):
                     raise sdk_error(exc, self._db_path) from exc
         finally:
             if underlying.deleted:
+                self.forget_reads()
                 # Like `memvault pop`: the popped ciphertext must not stay readable in
                 # the WAL or free pages under the current key.
                 await asyncio.to_thread(self._vault.scrub_after_delete)
@@ -374,6 +372,7 @@ class VaultSession(EncryptedSession):
     async def clear_session(self, *, wrapper: Any = None) -> None:
         """Empty the session as `Vault.clear` does: refuses (ItemsUnreadable, nothing
         deleted) if an item fails authentication; audited and scrubbed."""
+        self.forget_reads()
         try:
             await asyncio.to_thread(self._vault.clear, self.session_id)
         except UnknownSession:
@@ -397,4 +396,5 @@ class VaultSession(EncryptedSession):
                 self.ttl = None
 
     def close(self) -> None:
+        self.forget_reads()
         self.underlying_session.close()  # type: ignore[attr-defined]
