@@ -109,7 +109,7 @@ def _unchained_class(base: type) -> type:
 
 
 def _session(path: Any, sid: str, chained: bool) -> Any:
-    s = vault.open_session(sid, path)
+    s = vault.open_session(sid, path, read_cache=False)  # each read judges every row
     if not chained:
         inner = s.underlying_session
         inner.__class__ = _unchained_class(type(inner))

@@ -30,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.cache import bench_cache
 from bench.chain import bench_chain
 from bench.cli import bench_cli
 from bench.common import DEFAULT_JSON, FIGURES, LOOP, ROOT, Config, sqlcipher3, table
@@ -81,6 +82,7 @@ def machine() -> dict[str, Any]:
 PHASES: dict[str, Callable[[Config, Workspace], None]] = {
     "sessions": bench_sessions,
     "chain": bench_chain,
+    "cache": bench_cache,
     "cli": bench_cli,
     "rotation": bench_rotation,
     "scale": bench_scale,

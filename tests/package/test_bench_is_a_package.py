@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 BENCH = ROOT / "bench"
 MODULES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
-GROUPS = ("sessions", "chain", "cli", "rotation", "scale", "postgres", "transit")
+GROUPS = ("sessions", "chain", "cache", "cli", "rotation", "scale", "postgres", "transit")
 
 
 def test_no_bench_module_is_over_500_lines() -> None:
