@@ -351,12 +351,10 @@ def rotate_row_stamped(
     return json.dumps(env), ts
 
 
-def decrypt_stamped(f: Fernet, token: str) -> tuple[bytes, int]:
-    """Authenticate and decrypt a token with no TTL: its plaintext and its authenticated
-    time, for a caller that judges the TTL itself later (vault.readcache). InvalidToken
-    when it does not authenticate."""
-    raw = token.encode("ascii", "replace")
-    return f.decrypt(raw), _token_time(raw)
+def token_time(token: str) -> int:
+    """The time a Fernet token claims, unauthenticated (Fernet too judges a TTL before it
+    authenticates); ValueError for a token that is not base64."""
+    return _token_time(token.encode("ascii", "replace"))
 
 
 def token_timestamp(message_data: str) -> int | None:

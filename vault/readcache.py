@@ -15,9 +15,10 @@ What it does not change:
 - Every read returns new objects (`json.loads` of the kept plaintext): a caller that
   mutates what it got never changes what the next read returns.
 
-A full read keeps only the tokens it met (`full_read`), so the plaintext of an item
-popped, cleared or purged leaves the cache at the session's next full read; `clear` drops
-everything (the session's own pop and clear, and close). At most `MAX_ITEMS` are kept:
+A read keeps only the tokens it met (`reading`), so the plaintext of an item popped,
+cleared or purged leaves the cache at the session's next read; an expired token is
+never decrypted, as Fernet refuses it first; `clear` drops everything (the session's
+own pop and clear, and close). At most `MAX_ITEMS` are kept:
 a longer history is read past that without keeping more. SECURITY.md, "The read cache".
 """
 
@@ -87,7 +88,13 @@ class ReadCache:
         opened: Any = None
         if kept is None:
             try:
-                plain, stamp = crypto.decrypt_stamped(cipher, token)
+                stamp = crypto.token_time(token)
+            except ValueError:
+                return False, None
+            if ttl is not None and not live(stamp, ttl, int(time.time())):
+                return True, None  # refused before decrypting, as Fernet does: never kept
+            try:
+                plain = cipher.decrypt(token.encode("ascii", "replace"))
             except InvalidToken:
                 return False, None
             try:
@@ -102,17 +109,21 @@ class ReadCache:
             with self._guard:
                 if len(self._kept) < self.max_items:
                     self._kept[token] = kept
+        if ttl is not None and not live(kept.stamp, ttl, int(time.time())):
+            with self._guard:  # expired while kept: its plaintext goes now
+                self._kept.pop(token, None)
+            return True, None
         met = self._met
         if met is not None:
             met.add(token)
-        if not kept.text or (ttl is not None and not live(kept.stamp, ttl, int(time.time()))):
+        if not kept.text:
             return True, None
         return True, (opened if opened is not None else _scan(kept.text, 0)[0])
 
     @contextmanager
-    def full_read(self) -> Iterator[None]:
-        """Around a read of the whole history: what it did not meet is no longer stored,
-        and is dropped (a read that fails drops nothing)."""
+    def reading(self) -> Iterator[None]:
+        """Around one read: what it did not meet is dropped, as no longer stored, or out
+        of a limited read's window (a read that fails drops nothing)."""
         met: set[str] = set()
         self._met = met
         try:
@@ -150,7 +161,7 @@ class CachedReads:
     def read_cache(self, on: bool) -> None:
         if not on:
             self.forget_reads()
-        self._reads = (self._reads or ReadCache()) if on else None
+        self._reads = (self._reads if self._reads is not None else ReadCache()) if on else None
 
     def forget_reads(self) -> None:
         """Drop every kept plaintext (the session's own pop and clear, and close)."""
@@ -168,7 +179,6 @@ class CachedReads:
                 return opened
         return self._open_envelope(item)
 
-    def _reading(self, whole: bool) -> AbstractContextManager[None]:
-        """The context of a read: one of the `whole` history prunes the cache to what it
-        met."""
-        return self._reads.full_read() if whole and self._reads is not None else nullcontext()
+    def _reading(self) -> AbstractContextManager[None]:
+        """The context of a read: it prunes the cache to what it met."""
+        return self._reads.reading() if self._reads is not None else nullcontext()

@@ -54,3 +54,17 @@ def test_a_repeated_read_decrypts_only_what_is_new_and_sees_other_processes(
     assert read(s) == (rotated, 0)  # and kept from then on
     fresh = vault.open_session("s", pg_url, read_cache=False)
     assert asyncio.run(fresh.get_items()) == rotated
+
+    # The session's own pop, clear and close drop what it kept.
+    assert len(s._reads) == 9
+    asyncio.run(s.pop_item())
+    assert len(s._reads) == 0
+    read(s)
+    assert len(s._reads) == 8
+    asyncio.run(s.clear_session())
+    assert len(s._reads) == 0 and read(s) == ([], 0)
+    asyncio.run(s.add_items([user("kept until close")]))
+    read(s)
+    assert len(s._reads) == 1
+    s.close()
+    assert len(s._reads) == 0

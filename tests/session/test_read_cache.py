@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import Agent, Runner
+from agents import Agent, Runner, SessionSettings
 from agents.testing import ScriptedModel, assistant_message
 from cryptography.fernet import Fernet
 
@@ -147,6 +147,30 @@ def test_an_item_that_expires_while_kept_is_hidden_at_the_next_read(
     later, n = decrypted_by(decrypts, lambda: read(s))
     assert [i["content"] for i in later] == ["fresh"] and n == 0
     assert later == fresh_read(vault_db, "s")
+    assert len(s._reads) == 1  # the expired item's plaintext went with it
+    s.close()
+
+
+def test_an_item_already_expired_is_never_decrypted_into_the_cache(
+    vault: Any, vault_db: Path, decrypts: list[int]
+) -> None:
+    insert_sealed(vault_db, "s", [user("a day old")], int(time.time()) - 86400)
+    insert_sealed(vault_db, "s", [user("fresh")])
+    s = vault_pkg.open_session("s", vault_db)
+    got, n = decrypted_by(decrypts, lambda: read(s))
+    assert got == [user("fresh")] and n == 1 and len(s._reads) == 1
+    s.close()
+
+
+def test_a_session_that_reads_a_limited_window_keeps_only_that_window(
+    vault: Any, vault_db: Path
+) -> None:
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(10)])
+    s = vault_pkg.open_session("s", vault_db, session_settings=SessionSettings(limit=3))
+    assert read(s) == [user(f"item {i}") for i in range(7, 10)] and len(s._reads) == 3
+    assert run_cli("clear", "s", "--yes").code == 0
+    add_items(vault_db, "s", [user("after the clear")])
+    assert read(s) == [user("after the clear")] and len(s._reads) == 1
     s.close()
 
 

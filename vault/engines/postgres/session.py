@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from agents import SessionSettings
 from agents.extensions.memory import EncryptedSession
 from agents.extensions.memory.sqlalchemy_session import SQLAlchemySession
-from agents.memory.session_settings import resolve_session_limit
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -171,7 +170,7 @@ class PgVaultSession(VaultSession):
         while True:
             kid = self._kid
             try:
-                with self._reading(resolve_session_limit(limit, self.session_settings) is None):
+                with self._reading():
                     items = await EncryptedSession.get_items(self, limit, wrapper=wrapper)
             except (DBAPIError, OSError, TimeoutError) as exc:
                 raise self._translate(exc) from None
@@ -219,10 +218,12 @@ class PgVaultSession(VaultSession):
     async def pop_item(self, *, wrapper: Any = None) -> Any:
         # Authenticated before the delete, in its transaction (the SDK's generic pop would
         # delete first): an item that does not authenticate stays.
+        self.forget_reads()
         return await asyncio.to_thread(self._vault.pop_newest, self.session_id)  # type: ignore[attr-defined]
 
     async def clear_session(self, *, wrapper: Any = None) -> None:
         """Empty the session as `memvault clear` does (refuses unreadable items, audited)."""
+        self.forget_reads()
         try:
             await asyncio.to_thread(self._vault.clear, self.session_id)
         except UnknownSession:
@@ -231,4 +232,4 @@ class PgVaultSession(VaultSession):
     def close(self) -> None:
         # The pools belong to event loops, shared by the sessions on each, and close when
         # their loop ends (vault.engines.postgres.pool): nothing of this session's to release.
-        return None
+        self.forget_reads()

@@ -312,7 +312,7 @@ class VaultSession(CachedReads, EncryptedSession):
         while True:
             kid = self._kid
             try:
-                with self._reading(resolve_session_limit(limit, self.session_settings) is None):
+                with self._reading():
                     items = await super().get_items(limit, wrapper=wrapper)
             except sqlite3.Error as exc:
                 raise sdk_error(exc, self._db_path) from exc
