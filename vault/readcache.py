@@ -85,40 +85,47 @@ class ReadCache:
         kept, or that authenticates under `cipher` now and is kept from here on;
         (False, None) when it does not authenticate: the caller opens it its own way."""
         kept = self._kept.get(token)
-        opened: Any = None
         if kept is None:
-            try:
-                stamp = crypto.token_time(token)
-            except ValueError:
-                return False, None
-            if ttl is not None and not live(stamp, ttl, int(time.time())):
-                return True, None  # refused before decrypting, as Fernet does: never kept
-            try:
-                plain = cipher.decrypt(token.encode("ascii", "replace"))
-            except InvalidToken:
-                return False, None
-            try:
-                text = plain.decode("utf-8")
-                opened = json.loads(text)
-                text = text.strip(" \t\n\r")  # JSON's own whitespace, for _scan
-            except (ValueError, RecursionError):
-                # Authenticated, yet no JSON item (as crypto.decode_item judges it): skipped,
-                # as the SDK skips it.
-                text = ""
-            kept = Kept(text, stamp)
-            with self._guard:
-                if len(self._kept) < self.max_items:
-                    self._kept[token] = kept
+            return self._opened(token, cipher, ttl)
         if ttl is not None and not live(kept.stamp, ttl, int(time.time())):
             with self._guard:  # expired while kept: its plaintext goes now
                 self._kept.pop(token, None)
             return True, None
+        met = self._met  # inline, not _meet: this is the hot path, once per item read
+        if met is not None:
+            met.add(token)
+        return True, (_scan(kept.text, 0)[0] if kept.text else None)
+
+    def _opened(self, token: str, cipher: Fernet, ttl: int | None) -> tuple[bool, Any]:
+        """`item` for a token not kept yet: judged, decrypted and kept."""
+        try:
+            stamp = crypto.token_time(token)
+        except ValueError:
+            return False, None
+        if ttl is not None and not live(stamp, ttl, int(time.time())):
+            return True, None  # refused before decrypting, as Fernet does: never kept
+        try:
+            plain = cipher.decrypt(token.encode("ascii", "replace"))
+        except InvalidToken:
+            return False, None
+        try:
+            text = plain.decode("utf-8")
+            opened = json.loads(text)
+            text = text.strip(" \t\n\r")  # JSON's own whitespace, for _scan
+        except (ValueError, RecursionError):
+            # Authenticated, yet no JSON item (as crypto.decode_item judges it): skipped,
+            # as the SDK skips it.
+            text, opened = "", None
+        with self._guard:
+            if len(self._kept) < self.max_items:
+                self._kept[token] = Kept(text, stamp)
+        self._meet(token)
+        return True, opened
+
+    def _meet(self, token: str) -> None:
         met = self._met
         if met is not None:
             met.add(token)
-        if not kept.text:
-            return True, None
-        return True, (opened if opened is not None else _scan(kept.text, 0)[0])
 
     @contextmanager
     def reading(self) -> Iterator[None]:
