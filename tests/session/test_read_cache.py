@@ -282,6 +282,31 @@ def test_rows_rewritten_under_an_open_session_are_never_served_and_a_new_one_ref
     s.close()
 
 
+@pytest.mark.parametrize("read_first", [True, False], ids=["after-a-read", "before-any-read"])
+@pytest.mark.parametrize("cache", [True, False], ids=["cache-on", "cache-off"])
+def test_a_file_made_to_look_unchained_under_an_open_session_is_refused(
+    vault: Any, vault_db: Path, cache: bool, read_first: bool
+) -> None:
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(5)])
+    s = vault_pkg.open_session("s", vault_db, read_cache=cache)
+    if read_first:
+        read(s)
+    conn = sqlite3.connect(vault_db)
+    with conn:  # say "never chained", then swap two rows: nothing here needs the key
+        conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
+        (a, da), (b, db) = conn.execute(
+            "SELECT id, message_data FROM agent_messages ORDER BY id LIMIT 2"
+        ).fetchall()
+        conn.execute("UPDATE agent_messages SET message_data = ? WHERE id = ?", (db, a))
+        conn.execute("UPDATE agent_messages SET message_data = ? WHERE id = ?", (da, b))
+    conn.close()
+    # The session opened a chained file; nothing unchains one, so this is tampering.
+    with pytest.raises(HistoryTampered) as caught:
+        read(s)
+    assert caught.value.kind == "replaced by an older copy" and caught.value.session_id == "s"
+    s.close()
+
+
 def test_a_history_longer_than_the_bound_is_read_right_without_keeping_it_all(
     vault: Any, vault_db: Path, monkeypatch: pytest.MonkeyPatch, decrypts: list[int]
 ) -> None:

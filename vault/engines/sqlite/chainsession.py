@@ -14,7 +14,7 @@ from cryptography.fernet import InvalidToken
 
 from vault import chainops
 from vault.chain import ChainKey, Head, Link
-from vault.chaincheck import check, check_tail
+from vault.chaincheck import Tamper, check, check_tail
 from vault.engines.sqlite.chainrows import (
     after_pop,
     append,
@@ -122,6 +122,7 @@ def read_items(
     where: str,
     memo: Memo | None = None,
     keep: int = 0,
+    was_chained: bool = False,
 ) -> tuple[list[Any], Memo | None]:
     """The SDK's `get_items`: the session's rows (all, or the newest `limit`, as the SDK
     takes it), oldest first, decoded, read in one snapshot with the head and judged
@@ -130,7 +131,11 @@ def read_items(
 
     With `keep` > 0 (the session's read cache), a full read of at most `keep` items is
     kept as a Memo, and a later read whose authenticated head shows the same history, or
-    that history with items appended, reads and judges only the appended rows."""
+    that history with items appended, reads and judges only the appended rows.
+
+    `was_chained`: the file was chained when the session opened it. Nothing unchains a
+    file, so one that says it is unchained now was rewritten or put back under the
+    session (`cp` keeps the inode), and its rows are not served unverified."""
     if limit is not None and limit <= 0:
         limit = None if limit < 0 else 0  # the SDK's: a negative limit is no limit
     if limit == 0:
@@ -141,6 +146,8 @@ def read_items(
         if keys is None:
             raise VaultBusy(f"{where} kept changing key while being read; try again")
         if not chained(conn):
+            if was_chained:
+                raise chainops.tampered(session_id, Tamper.ROLLED_BACK, where)
             return _decoded(session_rows(conn, session_id, limit)), None
         stored = read_head(conn, session_id)
         head = Head.decode(stored)

@@ -1,7 +1,6 @@
 """The drop-in agent session: the SDK's EncryptedSession over SQLiteSession.
 
-This is the only module that imports `agents` (about 2 s), and only when an
-agent session is actually opened.
+Only this module imports `agents` (about 2 s), and only when a session is opened.
 
 SDK internals this module relies on (all private or undocumented, as of
 openai-agents 0.24). tests/session/test_compat.py checks each one's signature and
@@ -25,8 +24,8 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
   row with its link and move the chain head back in that transaction.
 - `SQLiteSession._insert_items(conn, items)`: the insert in `add_items`'s transaction;
   overridden to write each row's chain link and the session's head.
-- `SQLiteSession._locked_connection()`: a thread's connection under the SDK's lock.
-- `SQLiteSession._write_connection()`: the same, rolled back on any error (our pop).
+- `SQLiteSession._locked_connection()`, `SQLiteSession._write_connection()`: a thread's
+  connection under the SDK's lock; the second rolls back on any error (our pop).
 - `SQLiteSession._get_compaction_snapshot(limit, *, prune_prefix)`: None for a
   subclass, so `OpenAIResponsesCompactionSession` replaces history through our
   `clear_session`/`add_items` (audited, scrubbed), never in raw SQL.
@@ -38,8 +37,7 @@ the `openai-agents` pin in pyproject.toml is a deliberate step:
   (vault.readcache.CachedReads), and behind it (`_open_envelope`) to reload the key
   when an envelope is under a newer key id.
 - `EncryptedSession._get_compaction_snapshot(limit)`: what the compaction wrapper
-  reads; it computes `now - ttl`, so it is overridden for a vault that never
-  expires.
+  reads; it computes `now - ttl`, so it is overridden for a vault that never expires.
 - `EncryptedSession.ttl`: read on every call; `None` (never) goes to Fernet as
   no TTL, and a TTL changed by another process is set here.
 - `EncryptedSession.get_items(limit, *, wrapper)`, `EncryptedSession.add_items(items,
@@ -109,6 +107,7 @@ class VaultSQLiteSession(SQLiteSession):
         self.chain_key: Callable[[], Any] = lambda: None  # the session's own (a write's)
         self.memo: chainsession.Memo | None = None  # the read cache's part (vault.readcache)
         self.keep: Callable[[], int] = lambda: 0  # the most items the memo holds; 0: none
+        self.was_chained = False  # the file was chained at open: it stays so (chainsession)
         super().__init__(session_id, db_path, session_settings=session_settings)
 
     @staticmethod
@@ -185,7 +184,7 @@ class VaultSQLiteSession(SQLiteSession):
             try:
                 items, self.memo = chainsession.read_items(
                     conn, self.session_id, wanted, self.chain_keys, str(self._vault_path),
-                    self.memo, self.keep(),
+                    self.memo, self.keep(), self.was_chained,
                 )  # fmt: skip
                 return items
             except sqlite3.Error as exc:
@@ -237,6 +236,7 @@ class VaultSession(CachedReads, EncryptedSession):
         underlying.chain_keys = self._chain_keys
         underlying.chain_key = lambda: chainops.key_of(self._sealer, self._vault_id)
         underlying.keep = lambda: readcache.MAX_ITEMS if self.read_cache else 0
+        underlying.was_chained = meta.get(chainops.CHAIN_META) == chainops.ON
 
     def _start(self, session_id: str, underlying: Any, sealer: Any, ttl: int | None) -> None:
         """EncryptedSession over `underlying` under the current key (both engines)."""
