@@ -12,12 +12,14 @@ import time
 import secretstorage
 from secretstorage.collection import DEFAULT_COLLECTION
 
+from vault.secretservice import connect  # the daemon's client registered first
+
 DEADLINE = 60.0
 
 
 def round_trip() -> str | None:
     """None if the keyring works, else what is wrong."""
-    with contextlib.closing(secretstorage.dbus_init()) as conn:
+    with contextlib.closing(connect()) as conn:
         coll = secretstorage.Collection(conn, DEFAULT_COLLECTION)  # raises if absent
         if coll.is_locked():
             return "the default collection is locked"

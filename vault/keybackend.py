@@ -65,6 +65,8 @@ def backend_name(backend: Any) -> str:
     if isinstance(backend, ProtectedChain):
         return backend.name
     cls = type(backend)
+    if cls.__module__.startswith("vault."):  # memvault's adapter: named as what it adapts
+        cls = cls.__mro__[1]
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -128,14 +130,17 @@ def find_backend() -> Any:
         backend: Any = keyring.get_keyring()
     except Exception as exc:
         raise start_failure(wanted, exc) from exc
+    from vault.secretservice import adopt  # keyring's Secret Service, its daemon kept alive
+
     if type(backend).__module__ == _CHAINER:
         kept = [b for b in backend.backends if refusal(b) is None]
-        if kept and len(kept) < len(backend.backends):
-            return ProtectedChain(kept)
         if not kept:
             # Judged as the backend the chain writes to; refused below with its reason.
             return backend.backends[0] if backend.backends else fail.Keyring()  # type: ignore[no-untyped-call]
-    return backend
+        adopted = [adopt(b) for b in kept]
+        if len(kept) < len(backend.backends) or adopted != kept:
+            return ProtectedChain(adopted)
+    return adopt(backend)
 
 
 def _check_backend_name(wanted: str) -> None:
@@ -212,7 +217,12 @@ def default_collection_flickered(exc: BaseException) -> bool:
         return False
     if not isinstance(exc.__cause__, SecretStorageException):
         return False
-    bus = secretstorage.dbus_init()
+    from vault.secretservice import connect
+
+    try:
+        bus = connect()
+    except SecretStorageException:
+        return False
     try:
         secretstorage.Collection(bus)  # the default alias; reads its label
     except SecretStorageException:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import keyring
 import pytest
+from keyring.backends import SecretService
 
 from tests import memory_keyring
 from tests.conftest import MEMORY_BACKEND, ROOT, in_private_keyring
@@ -55,7 +56,7 @@ def run_probes(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 # -- Probes: run by the tests below in a pytest of their own ------------------------
 def test_probe_the_session_uses_the_keyring_its_mode_promises(tmp_path: Path) -> None:
     if in_private_keyring():
-        assert type(keyring.get_keyring()).__module__ == "keyring.backends.SecretService"
+        assert isinstance(keyring.get_keyring(), SecretService.Keyring)
         return
     assert isinstance(keyring.get_keyring(), memory_keyring.Keyring)
     assert os.environ["PYTHON_KEYRING_BACKEND"] == MEMORY_BACKEND
@@ -69,7 +70,7 @@ def test_probe_the_session_uses_the_keyring_its_mode_promises(tmp_path: Path) ->
 
 @pytest.mark.secret_service
 def test_probe_a_secret_service_test() -> None:
-    assert type(keyring.get_keyring()).__module__ == "keyring.backends.SecretService"
+    assert isinstance(keyring.get_keyring(), SecretService.Keyring)
 
 
 # -- The modes -------------------------------------------------------------------
