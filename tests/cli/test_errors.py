@@ -254,8 +254,8 @@ cd "$1"
 python -m vault --db "$2" init >/dev/null
 python - <<'P'
 import secretstorage
-c = secretstorage.dbus_init()
-secretstorage.get_default_collection(c).lock()
+from vault.secretservice import connect
+secretstorage.get_default_collection(connect()).lock()
 P
 set +e
 python -m vault --db "$2" sessions >/dev/null  # needs no key: works with the keyring locked

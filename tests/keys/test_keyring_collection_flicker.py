@@ -16,7 +16,6 @@ from typing import Any
 
 import keyring
 import pytest
-import secretstorage
 from secretstorage.defines import SS_PATH, SS_PREFIX
 from secretstorage.exceptions import ItemNotFoundException
 from secretstorage.util import DBusAddressWrapper
@@ -35,7 +34,7 @@ VALUE = "the stored key"
 @pytest.fixture
 def alias() -> Iterator[Any]:
     """Remove and restore the real daemon's `default` alias."""
-    conn = secretstorage.dbus_init()
+    conn = secretservice.connect()
     service = DBusAddressWrapper(SS_PATH, SS_PREFIX + "Service", conn)
     (login,) = service.call("ReadAlias", "s", "default")
     assert login != "/", "the private keyring has a default collection to begin with"
@@ -109,12 +108,12 @@ from tests.keys.test_keyring_edges import in_another_private_keyring
 from vault import secretservice
 from vault.errors import KeyringUnavailable
 from vault.keys import KeyStore
-conn = secretstorage.dbus_init()
+conn = secretservice.connect()
 for collection in secretstorage.get_all_collections(conn):
     if collection.collection_path.endswith("/login"):
         collection.delete()
 calls = []
-real = keyring.get_keyring()
+real = secretservice.adopt(keyring.get_keyring())
 class Counting:
     def get_password(self, service, username):
         calls.append(1)

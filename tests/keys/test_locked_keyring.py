@@ -56,6 +56,7 @@ import asyncio, json, os, sqlite3, subprocess, sys
 import secretstorage
 import vault
 from agents import SQLiteSession
+from vault.secretservice import connect
 
 d, commands = sys.argv[1], json.loads(sys.argv[2])
 db = f"{d}/v.db"
@@ -81,7 +82,7 @@ def rows():
         return c.execute("SELECT id, message_data FROM agent_messages").fetchall()
 
 before = rows()
-secretstorage.get_default_collection(secretstorage.dbus_init()).lock()
+secretstorage.get_default_collection(connect()).lock()
 results = {}
 for name, args in commands:
     p = cli(*[a.format(d=d) for a in args], stdin="y\n")
