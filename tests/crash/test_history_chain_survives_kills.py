@@ -1,6 +1,7 @@
-"""No kill makes a legitimate history look tampered: writers, `pop`, `clear`, `purge` and
-`rotate` SIGKILLed at their failpoints and at a random instant, `memvault verify` after
-each kill finding every session's chain whole and every item authentic."""
+"""No kill makes a legitimate history look tampered: writers, `pop`, `clear`, `purge`,
+`rotate` and `import` SIGKILLed at their failpoints and at a random instant, `memvault
+verify` after each kill (and after the rerun that finishes an import) finding every
+session's chain whole and every item authentic."""
 
 from __future__ import annotations
 
@@ -56,5 +57,52 @@ def test_no_kill_of_a_writer_pop_clear_purge_or_rotate_reads_as_tampering(
     writer.communicate(timeout=60)
     no_tampering(vault_db, "rotate and a writer killed at random instants")
     assert run_cli("--db", str(vault_db), "rotate").code == 0
+    r = run_cli("--db", str(vault_db), "--json", "verify")
+    assert r.code == 0, r
+
+
+IMPORT_KILLS = (
+    "import-in-transaction",
+    "import-session-committed",
+    "import-before-source-shred",
+    "import-during-source-shred",
+)
+
+
+def test_no_kill_of_an_import_reads_as_tampering_and_the_rerun_finishes_it(
+    vault: Any, vault_db: Path, tmp_path: Path
+) -> None:
+    from tests.files.test_import import make_plain
+
+    insert_sealed(vault_db, "a", [user(f"a {i}") for i in range(5)])
+    rng = random.Random()
+    for n, failpoint in enumerate((*IMPORT_KILLS, None)):
+        source = tmp_path / f"plain-{n}.db"
+        make_plain(
+            source, {f"p{n}-{j}": [user(f"{n}/{j}/{i}") for i in range(30)] for j in range(3)}
+        )
+        args = ["--db", str(vault_db), "import", str(source)]
+        if failpoint is None or "shred" in failpoint:
+            args += ["--shred-source", "--yes"]
+        step = f"import killed at {failpoint or 'a random instant'}"
+        if failpoint is None:
+            killed_cli(*args, delay=rng.uniform(0.05, 1.5))
+        else:
+            assert killed_cli(*args, failpoint=failpoint) == -signal.SIGKILL, step
+        no_tampering(vault_db, step)
+        if source.exists():  # not shredded yet: the rerun finishes the import
+            r = run_cli(*args)
+            if r.code == 1 and "already exists" in r.err:  # a session committed before the kill
+                for j in range(3):  # the others one by one, as the error says
+                    r = run_cli(
+                        "--db", str(vault_db), "import", str(source), "--session", f"p{n}-{j}"
+                    )
+                    assert r.code == 0 or "already exists" in r.err, (step, r)
+            else:
+                assert r.code == 0, (step, r)
+            no_tampering(vault_db, f"the import rerun after {step}")
+        for j in range(3):
+            r = run_cli("--db", str(vault_db), "--json", "show", f"p{n}-{j}")
+            assert r.code == 0 and len(r.json()["items"]) == 30, (step, r)
     r = run_cli("--db", str(vault_db), "--json", "verify")
     assert r.code == 0, r
