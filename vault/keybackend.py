@@ -64,9 +64,7 @@ def how_to_get_a_keyring() -> str:
 def backend_name(backend: Any) -> str:
     if isinstance(backend, ProtectedChain):
         return backend.name
-    cls = type(backend)
-    if cls.__module__.startswith("vault."):  # memvault's adapter: named as what it adapts
-        cls = cls.__mro__[1]
+    cls = getattr(type(backend), "adapts", type(backend))  # memvault's adapter: what it adapts
     return f"{cls.__module__}.{cls.__qualname__}"
 
 

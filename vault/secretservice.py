@@ -17,23 +17,35 @@ then lands on that call, and the reads after it find the client registered.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from keyring.backends import SecretService
 
 
-def connect() -> Any:
-    """A new D-Bus connection to the Secret Service (jeepney's), registered with the
-    daemon by a first call whose answer does not matter. The caller closes it."""
-    import secretstorage
+def register(conn: Any) -> None:
+    """Have the daemon register this connection's client, by a call whose answer does
+    not matter: a provider that refuses it (one without ReadAlias) is as good. Only a
+    Secret Service that cannot be reached raises (secretstorage's exception)."""
     from jeepney import new_method_call
+    from jeepney.wrappers import DBusErrorResponse
     from secretstorage.defines import SS_PATH, SS_PREFIX
+    from secretstorage.exceptions import ItemNotFoundException
     from secretstorage.util import DBusAddressWrapper
+
+    service = DBusAddressWrapper(SS_PATH, SS_PREFIX + "Service", conn)
+    with contextlib.suppress(ItemNotFoundException, DBusErrorResponse):
+        service.send_and_get_reply(new_method_call(service, "ReadAlias", "s", ("default",)))
+
+
+def connect() -> Any:
+    """A new D-Bus connection to the Secret Service (jeepney's), registered. The caller
+    closes it."""
+    import secretstorage
 
     conn = secretstorage.dbus_init()
     try:
-        service = DBusAddressWrapper(SS_PATH, SS_PREFIX + "Service", conn)
-        service.send_and_get_reply(new_method_call(service, "ReadAlias", "s", ("default",)))
+        register(conn)
     except BaseException:
         conn.close()
         raise
@@ -41,19 +53,19 @@ def connect() -> Any:
 
 
 class Keyring(SecretService.Keyring):
-    """keyring's Secret Service backend, each of its connections opened by `connect`."""
+    """keyring's Secret Service backend, each of its connections registered first."""
+
+    adapts = SecretService.Keyring  # what vault.keybackend names it as
 
     def get_preferred_collection(self) -> Any:
-        # keyring's own, but for the connection: same collection, same errors.
+        # keyring's own, but for `register`: same collection, same errors.
         import secretstorage
         from keyring.errors import InitError, KeyringLocked
         from secretstorage.exceptions import SecretStorageException
 
+        bus = secretstorage.dbus_init()
         try:
-            bus = connect()
-        except SecretStorageException as exc:
-            raise InitError(f"Failed to create the collection: {exc}.") from exc
-        try:
+            register(bus)
             if hasattr(self, "preferred_collection"):
                 collection = secretstorage.Collection(bus, self.preferred_collection)
             else:
@@ -61,17 +73,29 @@ class Keyring(SecretService.Keyring):
         except SecretStorageException as exc:
             bus.close()
             raise InitError(f"Failed to create the collection: {exc}.") from exc
-        if collection.is_locked():
-            collection.unlock()
-            if collection.is_locked():  # the person dismissed the prompt
-                bus.close()
-                raise KeyringLocked("Failed to unlock the collection!")
+        except BaseException:
+            bus.close()
+            raise
+        try:
+            if collection.is_locked():
+                collection.unlock()
+                if collection.is_locked():  # the person dismissed the prompt
+                    raise KeyringLocked("Failed to unlock the collection!")
+        except BaseException:
+            bus.close()
+            raise
         return collection
 
 
+# keyring registers every backend class it sees: this one is not a choice of its own
+# (it would be chained beside the class it adapts), only what `adopt` makes.
+SecretService.Keyring._classes.discard(Keyring)
+
+
 def adopt(backend: Any) -> Any:
-    """`backend`, or, when it is keyring's own Secret Service backend, the same backend
-    (its settings kept) opening its connections by `connect`."""
+    """`backend`, or, when it is keyring's own Secret Service backend (exactly: a
+    subclass of it is someone's choice, left as it is), the same backend, its settings
+    kept, registering its connections first."""
     if type(backend) is not SecretService.Keyring:
         return backend
     ours = Keyring.__new__(Keyring)

@@ -4,36 +4,43 @@ gnome-keyring-daemon can dispatch a new connection's first message before it has
 registered the client, and a property read met that way aborts the whole daemon
 (vault.secretservice says how). keyring's own Secret Service backend opens a new
 connection for every operation and reads a property first. memvault's connections ask
-ReadAlias first, which only fails when the race strikes. Watched here on the private
-bus with a D-Bus monitor: every connection of real `memvault` processes starts with
-that call, and, as a control, keyring's own backend starts with a property read.
+ReadAlias first, which only fails when the race strikes. Watched on the private bus with
+a D-Bus monitor: every connection of each real `memvault` command starts with that
+call, and, as a control (in a second private keyring, since it can abort its daemon),
+keyring's own backend starts with a property read.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from jeepney import DBusAddress, MessageType, new_method_call
 from jeepney.io.blocking import open_dbus_connection
 from jeepney.low_level import HeaderFields
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli
+from tests.keys.test_keyring_edges import in_another_private_keyring
+from vault.secretservice import connect
 
 pytestmark = pytest.mark.secret_service
 
 SECRETS = "org.freedesktop.secrets"
+READ_ALIAS = ("org.freedesktop.Secret.Service", "ReadAlias")
 First = dict[str, tuple[str | None, str | None]]  # connection's unique name -> (interface, member)
 
 
 @contextmanager
 def first_calls_to_the_secret_service() -> Iterator[First]:
-    """The first method call each connection sends to the Secret Service while open."""
+    """The first method call each connection sends to the Secret Service while open.
+    On leaving, a call of its own, sent last, is awaited: every call before it was seen."""
     seen: First = {}
+    failed: list[BaseException] = []
     conn = open_dbus_connection(bus="SESSION")
     monitoring = DBusAddress(
         "/org/freedesktop/DBus",
@@ -45,47 +52,69 @@ def first_calls_to_the_secret_service() -> Iterator[First]:
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.is_set():
-            try:
-                msg = conn.receive(timeout=0.2)
-            except TimeoutError:
-                continue
-            fields = msg.header.fields
-            if msg.header.message_type is MessageType.method_call:
-                call = (fields.get(HeaderFields.interface), fields.get(HeaderFields.member))
-                seen.setdefault(fields[HeaderFields.sender], call)
+        try:
+            while not stop.is_set():
+                try:
+                    msg = conn.receive(timeout=0.2)
+                except TimeoutError:
+                    continue
+                fields = msg.header.fields
+                if msg.header.message_type is MessageType.method_call:
+                    call = (fields.get(HeaderFields.interface), fields.get(HeaderFields.member))
+                    seen.setdefault(fields[HeaderFields.sender], call)
+        except BaseException as exc:  # named in the test, not lost with the thread
+            failed.append(exc)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:
         yield seen
     finally:
-        stop.set()
-        thread.join(5)
-        conn.close()
+        last = connect()  # the sentinel: its first call comes after every one before
+        try:
+            end = time.monotonic() + 30
+            while last.unique_name not in seen and not failed and time.monotonic() < end:
+                time.sleep(0.02)
+            seen.pop(last.unique_name, None)
+        finally:
+            last.close()
+            stop.set()
+            thread.join(5)
+            conn.close()
+    if failed:
+        raise failed[0]
+
+
+COMMANDS = [("init",), ("status",), ("rotate", "--yes"), ("key", "list"), ("shred", "--yes")]
 
 
 def test_every_keyring_connection_of_memvault_asks_a_method_before_any_property_read() -> None:
-    with first_calls_to_the_secret_service() as first:
-        for args in (
-            ("init",),
-            ("status",),
-            ("rotate", "--yes"),
-            ("key", "list"),
-            ("shred", "--yes"),
-        ):
+    for args in COMMANDS:
+        with first_calls_to_the_secret_service() as first:
             r = run_cli(*args)
             assert r.code == 0, r
-    assert len(first) >= 4, first  # at least one connection per command
-    assert set(first.values()) == {("org.freedesktop.Secret.Service", "ReadAlias")}, first
+        assert first, f"{args}: no connection to the Secret Service was seen"
+        assert set(first.values()) == {READ_ALIAS}, (args, first)
 
 
-def test_keyring_own_backend_reads_a_property_first_which_is_what_is_avoided() -> None:
+CONTROL = """
+cd "$1"
+python - <<'P'
+import json
+from keyring.backends.SecretService import Keyring
+from tests.keys.test_secret_service_connections import first_calls_to_the_secret_service
+with first_calls_to_the_secret_service() as first:
+    Keyring().get_password("memvault-control", "nobody")
+print(json.dumps(sorted(first.values())))
+P
+"""
+
+
+def test_keyring_own_backend_reads_a_property_first_which_is_what_is_avoided(
+    tmp_path: Path,
+) -> None:
     """The control: the monitor sees the difference memvault makes."""
-    script = (
-        "from keyring.backends.SecretService import Keyring\n"
-        "Keyring().get_password('memvault-control', 'nobody')\n"
-    )
-    with first_calls_to_the_secret_service() as first:
-        subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=60)
-    assert list(first.values()) == [("org.freedesktop.DBus.Properties", "Get")], first
+    proc = in_another_private_keyring(CONTROL, tmp_path / "unused.db")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first == [["org.freedesktop.DBus.Properties", "Get"]], first
