@@ -67,18 +67,17 @@ class AliasGoneFor:
         # Removed once the call's connection is registered: the daemon points the alias
         # back at its login collection as it registers a new client, and memvault's
         # connections register before their first use (vault.secretservice).
-        real = secretservice.connect
+        real = secretservice.register
 
-        def connect_then_remove() -> Any:
-            conn = real()
+        def register_then_remove(conn: Any) -> None:
+            real(conn)
             self.alias.remove()
-            return conn
 
-        secretservice.connect = connect_then_remove
+        secretservice.register = register_then_remove
         try:
             return fn(*args)
         finally:
-            secretservice.connect = real
+            secretservice.register = real
 
     def get_password(self, service: str, username: str) -> Any:
         return self._around(self.real.get_password, service, username)
