@@ -64,19 +64,15 @@ class Keyring(SecretService.Keyring):
         from secretstorage.exceptions import SecretStorageException
 
         bus = secretstorage.dbus_init()
-        try:
-            register(bus)
-            if hasattr(self, "preferred_collection"):
-                collection = secretstorage.Collection(bus, self.preferred_collection)
-            else:
-                collection = secretstorage.get_default_collection(bus)
-        except SecretStorageException as exc:
-            bus.close()
-            raise InitError(f"Failed to create the collection: {exc}.") from exc
-        except BaseException:
-            bus.close()
-            raise
-        try:
+        try:  # every way out but the collection's return closes the connection
+            try:
+                register(bus)
+                if hasattr(self, "preferred_collection"):
+                    collection = secretstorage.Collection(bus, self.preferred_collection)
+                else:
+                    collection = secretstorage.get_default_collection(bus)
+            except SecretStorageException as exc:
+                raise InitError(f"Failed to create the collection: {exc}.") from exc
             if collection.is_locked():
                 collection.unlock()
                 if collection.is_locked():  # the person dismissed the prompt
