@@ -28,6 +28,9 @@ class Tamper(enum.Enum):
     DELETED = "deleted from the middle"
     CUT_TAIL = "tail cut"
     ROLLED_BACK = "replaced by an older copy"
+    # The vault's, not one session's: its vault head (vault.chainvault) does not sum its
+    # sessions' heads, so one was put back whole, added or removed, which cannot be told.
+    VAULT_MISMATCH = "a session put back from an older copy, added or removed whole"
 
 
 @dataclass(frozen=True)

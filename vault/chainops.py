@@ -46,6 +46,15 @@ def keys_for(sealer: crypto.Sealer, vault_id: str) -> dict[str, ChainKey]:
 
 def tampered(session_id: str, kind: Tamper | str, where: str) -> HistoryTampered:
     what = kind.value if isinstance(kind, Tamper) else kind
+    if kind is Tamper.VAULT_MISMATCH:
+        return HistoryTampered(
+            f"the sessions of {where} do not match its vault head ({what}; which one "
+            f"cannot be told), so session {session_id!r} was not read or changed; restore "
+            "the vault from a backup, or take it as it is now with `memvault accept` "
+            "(`memvault verify` lists what is wrong)",
+            session_id,
+            what,
+        )
     return HistoryTampered(
         f"the history of session {session_id!r} in {where} does not verify ({what}); "
         "nothing was read or changed; restore the vault from a backup "
@@ -75,8 +84,12 @@ def refuse_unchained(
 
 
 def refuse(verdict: Verdict, session_id: str, where: str) -> None:
-    if verdict.kind is not None:
-        raise tampered(session_id, verdict.kind, where)
+    refuse_kind(verdict.kind, session_id, where)
+
+
+def refuse_kind(kind: Tamper | None, session_id: str, where: str) -> None:
+    if kind is not None:
+        raise tampered(session_id, kind, where)
 
 
 def head_to_move(key: ChainKey, session_id: str, stored: str | None, where: str) -> Head:

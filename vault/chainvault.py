@@ -36,6 +36,9 @@ from vault.chain import (
 from vault.chaincheck import Tamper
 
 VAULT_HEAD_VERSION = "v1"
+# A vault head starts at seq 1: its point (chainanchor) is then never the anchor's
+# "chained" mark, Point(0, ZERO), so an anchor past that mark says a vault head exists.
+FIRST_SEQ = 1
 _TERM_DOMAIN = b"memvault chain vault term v1"
 _VAULT_HEAD_DOMAIN = b"memvault chain vault head v1"
 ZERO = bytes(MAC_BYTES)
@@ -111,8 +114,32 @@ def digest_of(key: ChainKey, heads: Mapping[str, Head]) -> bytes:
 
 
 def new_vault_head(key: ChainKey, heads: Mapping[str, Head] | None = None) -> VaultHead:
-    """The vault head over `heads` (none: an empty vault), at seq 0."""
-    return _sealed(key, 0, digest_of(key, heads or {}))
+    """The vault head over `heads` (none: an empty vault), at FIRST_SEQ."""
+    return _sealed(key, FIRST_SEQ, digest_of(key, heads or {}))
+
+
+def matches(key: ChainKey, vh: VaultHead, heads: Mapping[str, Head]) -> bool:
+    """Whether `vh` authenticates under `key` and sums exactly these heads. Each head's
+    own MAC is its session's check (vault.chaincheck), not this one: a forged head is
+    named there, and its term, keyed, cannot be made to fit the digest."""
+    return vault_head_ok(key, vh) and _hmac.compare_digest(digest_of(key, heads), vh.digest)
+
+
+def rekey(
+    old: ChainKey, new: ChainKey, vh: VaultHead, heads: Mapping[str, Head]
+) -> VaultHead | None:
+    """The vault head under a rotation's new key, one write later; None when it does not
+    match `heads` under the old one (it is then kept as it is, and still reported)."""
+    if not matches(old, vh, heads):
+        return None
+    return _sealed(new, vh.seq + 1, digest_of(new, heads))
+
+
+def accepted(key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head]) -> VaultHead:
+    """The vault head over the heads as they stand, on purpose (`memvault accept`): one
+    write past the stored head, or a fresh one when there is none."""
+    seq = FIRST_SEQ if vh is None else vh.seq + 1
+    return _sealed(key, seq, digest_of(key, heads))
 
 
 def moved(
@@ -125,14 +152,6 @@ def moved(
     old = term(key, session_id, None if before is None else before.anchor())
     new = term(key, session_id, None if after is None else after.anchor())
     return _sealed(key, vh.seq + 1, _xor(_xor(vh.digest, old), new))
-
-
-def rekeyed(old: ChainKey, new: ChainKey, vh: VaultHead, heads: Mapping[str, Head]) -> VaultHead:
-    """The vault head under a rotation's new key: checked under the old one against the
-    heads (as re-MACed), then summed afresh under the new one, one write later."""
-    if judge(old, vh, heads) is not None:
-        raise ValueError("the vault head does not match its sessions")
-    return _sealed(new, vh.seq + 1, digest_of(new, heads))
 
 
 def judge(

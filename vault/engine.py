@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vault.files import Progress
     from vault.import_source import Plan
     from vault.keys import KeyStore
-    from vault.results import Cleared, KeyVersionInfo, Popped, Report, SessionInfo
+    from vault.results import Accepted, Cleared, KeyVersionInfo, Popped, Report, SessionInfo
 
 # An item row as engines hand it up: (id, session_id, message_data).
 Row = tuple[int, str, str]
@@ -151,6 +151,8 @@ class AnyVault(Engine, Protocol):
     ) -> Iterator[crypto.Opened]: ...
 
     def history_verdict(self, session_id: str) -> str | None: ...
+
+    def accept_history(self) -> Accepted: ...
 
     def status(self, now: int | None = None) -> dict[str, Any]: ...
 

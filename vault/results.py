@@ -66,3 +66,12 @@ class KeyVersionInfo:
     in_keyring: bool
     created_at: str | None
     backups: tuple[dict[str, Any], ...] = ()  # the recorded backups that use it
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """`Vault.accept_history`: the vault head summed afresh over this many sessions'
+    heads, on purpose; `matched` says whether the stored one already matched them."""
+
+    sessions: int
+    matched: bool

@@ -374,7 +374,7 @@ def _chains(
     conn: sqlite3.Connection, report: VerifyReport, sealer: crypto.Sealer, meta: dict[str, str]
 ) -> None:
     """Every session's rows judged against its head: the first problem of each, by kind."""
-    from vault.engines.sqlite import chainrows
+    from vault.engines.sqlite import chainrows, vaulthead
 
     if meta.get(chainops.CHAIN_META) != chainops.ON:
         if backupmark.is_backup(meta):
@@ -387,7 +387,14 @@ def _chains(
         return
     keys = chainops.keys_for(sealer, meta["vault_id"])
     for sid in chainrows.judged_sessions(conn):
-        verdict = chainrows.judge(conn, keys, sid)
+        verdict = chainrows.judge(conn, keys, sid, whole_vault=False)
         if verdict.kind is not None:
             at = "" if verdict.index is None else f" (its item #{verdict.index + 1})"
             report.add("history_chain", f"session {sid[:60]!r}: {verdict.kind.value}{at}")
+    kind = vaulthead.verdict(conn, keys)
+    if kind is not None:
+        report.add(
+            "history_chain",
+            f"the vault as a whole: {kind.value} (its sessions do not match its vault head; "
+            "`memvault accept` takes them as they are)",
+        )

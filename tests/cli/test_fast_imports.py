@@ -134,6 +134,13 @@ def test_restore_does_not_import_agents(vault: Any, vault_db: Path, tmp_path: Pa
     assert mods == []
 
 
+def test_accept_does_not_import_agents(vault: Any, vault_db: Path) -> None:
+    add_items(vault_db, "s1", [user("hello")])
+    code, mods = probe("accept", "--yes")
+    assert code == 0
+    assert mods == []
+
+
 @pytest.mark.slow
 def test_probe_detects_an_agents_import(vault: Any) -> None:
     # Control: the probe sees the SDK when a command does load it.

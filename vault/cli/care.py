@@ -1,6 +1,7 @@
-"""`memvault` commands that look after the vault file: backup and verify.
+"""`memvault` commands that look after the vault file: backup, verify, restore, accept.
 
-Logic in vault.engines.sqlite.backup and vault.verify; neither imports the Agents SDK.
+Logic in vault.engines.sqlite.backup, vault.verify, vault.engines.sqlite.restore and
+vault.engines.sqlite.accepting; none imports the Agents SDK.
 """
 
 from __future__ import annotations
@@ -242,8 +243,53 @@ def restore_cmd(backup: str, yes: bool) -> None:
     emit(r, human)
 
 
+@click.command("accept")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@common
+def accept_cmd(yes: bool) -> None:
+    """Take the vault's sessions as they stand now as its authenticated state.
+
+    The vault head sums every session's head under the key. When `verify` says
+    "the vault as a whole: a session put back from an older copy, added or
+    removed whole", no single session can be named, and every agent session,
+    `show` and `export` refuse the vault. Restore a backup (`memvault restore`)
+    if you have one; otherwise look at what is there (`show SESSION
+    --include-tampered`) and accept it: the vault head is summed afresh over the
+    sessions as they are, and they are served again. A session whose own head
+    is forged is refused first: `clear SESSION --include-unreadable` deletes it
+    on purpose. Backups are refused: each is judged as it was made.
+
+    \b
+    Exit codes:
+      1  a session's own head is forged, the file is a backup, or the answer was no
+      3  no vault at that path
+      4  the key is missing, revoked or does not match
+
+    \b
+    Example:
+      memvault verify
+      memvault accept --yes
+    """
+    vault = open_any()
+    confirm(
+        f"Accept every session of {vault.path} as it stands now as the vault's state? "
+        "A session put back from an older copy, added or removed whole stays as it is",
+        yes,
+    )
+    r = vault.accept_history()
+
+    def human() -> None:
+        say(
+            f"accepted {plural(r.sessions, 'session')} of {vault.path} as the vault's state"
+            + ("" if not r.matched else " (they matched it already)")
+        )
+
+    emit({"path": str(vault.path), "sessions": r.sessions, "matched": r.matched}, human)
+
+
 COMMANDS = (
     backup_cmd,
     verify_cmd,
     restore_cmd,
+    accept_cmd,
 )

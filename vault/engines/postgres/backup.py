@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from vault import chainops
 from vault.engines.postgres import rotate as pgrotate
 from vault.engines.sqlite import backup as file_backup
-from vault.engines.sqlite import chainrows, filecopy
+from vault.engines.sqlite import chainrows, filecopy, vaulthead
 from vault.engines.sqlite.db import connect, sqlite_errors
 from vault.engines.sqlite.schema import FILE_FORMAT, MESSAGES_TABLE, SESSIONS_TABLE, migrate
 from vault.errors import VaultBusy
@@ -155,6 +155,7 @@ def _copy(vault: PgVault, target: Path) -> None:
                     )
 
             vault.run(read)
+            vaulthead.start(out, key)  # chained from the copy on: its heads summed
             out.execute("COMMIT")
         finally:
             out.close()

@@ -41,12 +41,13 @@ from vault.engines.sqlite.schema import (
 from vault.errors import (
     BadInput,
     NotAVault,
+    OperationFailed,
 )
 from vault.files import Progress
 from vault.importing import ImportsFiles
 from vault.keyload import refuse_revoked
 from vault.keys import KeyStore
-from vault.results import Cleared, KeyVersionInfo, Popped, Report, SessionInfo
+from vault.results import Accepted, Cleared, KeyVersionInfo, Popped, Report, SessionInfo
 from vault.vaultops import (
     ReadsItems,
     key_state,
@@ -178,6 +179,12 @@ class PgVault(pgkept.PgKeptVersions, ImportsFiles, ReadsItems):
     def history_verdict(self, session_id: str) -> str | None:
         """None: PostgreSQL's history is not chained yet (docs/history-chain.md)."""
         return None
+
+    def accept_history(self) -> Accepted:
+        raise OperationFailed(
+            f"{self.path} keeps no history chain yet (docs/history-chain.md): there is no "
+            "state to accept; nothing was changed"
+        )
 
     def status(self, now: int | None = None) -> dict[str, Any]:
         """What `memvault status` shows; the file fields say they do not apply."""

@@ -16,26 +16,16 @@ from typing import Protocol
 from vault import chain, chainops, crypto
 from vault.chain import ChainKey, Head
 from vault.chaincheck import Verdict, check, check_tail
-from vault.chainops import BUILDING, CHAIN_META, ON
+from vault.chainops import BUILDING
 from vault.chainops import key_of as key_of  # for the engine's callers: one import
 from vault.chainops import keys_for as keys_for
 from vault.chainops import refuse as refuse
+from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.schema import MESSAGES_TABLE
+from vault.engines.sqlite.vaulthead import HEADS_TABLE, chain_state, chained
 from vault.errors import HistoryTampered
 
-HEADS_TABLE = "memvault_chain_heads"
 UNLINKED = "unlinked"  # the link of a row that had none when a rotation moved it
-
-
-def chain_state(conn: sqlite3.Connection) -> str | None:
-    """ON, BUILDING, or None for a file m010 has not migrated yet."""
-    row = conn.execute("SELECT value FROM memvault_meta WHERE key = ?", (CHAIN_META,)).fetchone()
-    return None if row is None else str(row[0])
-
-
-def chained(conn: sqlite3.Connection) -> bool:
-    """Whether every session of the file is chained (the upgrade has finished)."""
-    return chain_state(conn) == ON
 
 
 def read_head(conn: sqlite3.Connection, session_id: str) -> str | None:
@@ -45,12 +35,22 @@ def read_head(conn: sqlite3.Connection, session_id: str) -> str | None:
     return None if row is None else str(row[0])
 
 
-def write_head(conn: sqlite3.Connection, session_id: str, head: Head) -> None:
+def write_head(
+    conn: sqlite3.Connection,
+    key: ChainKey,
+    session_id: str,
+    before: Head | None,
+    after: Head,
+    where: str,
+) -> None:
+    """The session's head moved from `before` (None: it had none) to `after`, and the
+    vault head with it (vault.engines.sqlite.vaulthead)."""
     conn.execute(
         f"INSERT INTO {HEADS_TABLE} (session_id, head) VALUES (?, ?) "
         "ON CONFLICT(session_id) DO UPDATE SET head = excluded.head",
-        (session_id, head.encode()),
+        (session_id, after.encode()),
     )
+    vaulthead.move(conn, key, session_id, before, after, where)
 
 
 def append(
@@ -58,9 +58,10 @@ def append(
 ) -> list[str]:
     """The links of `texts`, appended to the session in this transaction; the head is
     written here, the caller inserts each text with its link."""
-    head = chainops.head_to_move(key, session_id, read_head(conn, session_id), where)
+    stored = read_head(conn, session_id)
+    head = chainops.head_to_move(key, session_id, stored, where)
     links, moved = chain.extend(key, session_id, head, texts)
-    write_head(conn, session_id, moved)
+    write_head(conn, key, session_id, None if stored is None else head, moved, where)
     return [lk.encode() for lk in links]
 
 
@@ -103,7 +104,8 @@ def after_pop(
     if stored is None and not chained(conn):
         return  # the upgrade has not linked this file yet
     head = chainops.head_to_move(key, session_id, stored, where)
-    write_head(conn, session_id, chainops.pop_head(key, session_id, head, popped, where, link_keys))
+    moved = chainops.pop_head(key, session_id, head, popped, where, link_keys)
+    write_head(conn, key, session_id, head, moved, where)
 
 
 def after_clear(
@@ -115,16 +117,18 @@ def after_clear(
     stored = read_head(conn, session_id)
     if stored is None:
         return  # never chained: nothing to remember
+    old = Head.decode(stored)
     try:
         head = chainops.head_to_move(key, session_id, stored, where)
     except HistoryTampered:
         if not forced:
             raise
         head = chain.new_head(key, session_id)
-        old = Head.decode(stored)
         if old is not None:
             head = dataclasses.replace(head, epoch=old.epoch, base=old.end, end=old.end)
-    write_head(conn, session_id, chain.clear(key, session_id, head))
+    # A forged head's state was never summed: the vault head then stops matching, and
+    # `memvault accept` takes the vault as it is, on purpose.
+    write_head(conn, key, session_id, old, chain.clear(key, session_id, head), where)
 
 
 def session_rows(
@@ -144,15 +148,23 @@ def judge(
     keys: Mapping[str, ChainKey],
     session_id: str,
     limit: int | None = None,
+    whole_vault: bool = True,
 ) -> Verdict:
-    """The session's verdict in the caller's snapshot: every row, or the newest `limit`."""
+    """The session's verdict in the caller's snapshot: every row, or the newest `limit`;
+    then, unless `whole_vault` is False (verify judges it once), whether the vault head
+    still sums this session's head with the others'."""
     if not chained(conn):
         return Verdict()
-    head = Head.decode(read_head(conn, session_id))
+    stored = read_head(conn, session_id)
+    head = Head.decode(stored)
     rows = session_rows(conn, session_id, limit)
     if limit is None:
-        return check(keys, session_id, rows, head)
-    return check_tail(keys, session_id, rows, head, limit)
+        verdict = check(keys, session_id, rows, head)
+    else:
+        verdict = check_tail(keys, session_id, rows, head, limit)
+    if verdict.ok and whole_vault:
+        return Verdict(vaulthead.verdict(conn, keys, (session_id, stored)))
+    return verdict
 
 
 def verdict(conn: sqlite3.Connection, keys: Mapping[str, ChainKey], session_id: str) -> str | None:
@@ -195,8 +207,10 @@ def remac_updates(
 
 
 def remac_heads(conn: sqlite3.Connection, old: ChainKey, new: ChainKey) -> None:
-    """Every head under `old` re-MACed under `new` (the rotation's switch)."""
-    heads = dict(conn.execute(f"SELECT session_id, head FROM {HEADS_TABLE}").fetchall())
+    """Every head under `old` re-MACed under `new`, and the vault head summed afresh
+    under it (the rotation's switch)."""
+    heads = vaulthead.stored_heads(conn)
+    vaulthead.rekey(conn, old, new, heads)
     conn.executemany(
         f"UPDATE {HEADS_TABLE} SET head = ? WHERE session_id = ?",
         chainops.remac_all(old, new, heads),
@@ -229,10 +243,7 @@ def build(vault: _File, key: ChainKey, keys: Mapping[str, ChainKey]) -> None:
                 f"'text' AND session_id NOT IN (SELECT session_id FROM {HEADS_TABLE}) LIMIT 1"
             ).fetchone()
             if todo is None:
-                conn.execute(
-                    "UPDATE memvault_meta SET value = ? WHERE key = ? AND value = ?",
-                    (ON, CHAIN_META, BUILDING),
-                )
+                vaulthead.start(conn, key)
                 return
             sid = str(todo[0])
             rows = conn.execute(
@@ -247,7 +258,7 @@ def build(vault: _File, key: ChainKey, keys: Mapping[str, ChainKey]) -> None:
                 f"UPDATE {MESSAGES_TABLE} SET chain = ? WHERE id = ?",
                 [(lk.encode(), r[0]) for lk, r in zip(links, rows, strict=True)],
             )
-            write_head(conn, sid, head)
+            write_head(conn, key, sid, None, head, "")
 
 
 class PurgedPrefix:
@@ -262,13 +273,15 @@ class PurgedPrefix:
         self.stopped: set[str] = set()
         self.tampered: set[str] = set()
         self.heads: dict[str, Head | None] = {}  # as moved so far; None: no head (unchained)
+        self.before: dict[str, Head] = {}  # as stored
 
     def _start(self, conn: sqlite3.Connection, sid: str) -> None:
         stored = read_head(conn, sid)
         try:
-            self.heads[sid] = (
-                None if stored is None else chainops.head_to_move(self.key, sid, stored, "")
-            )
+            head = None if stored is None else chainops.head_to_move(self.key, sid, stored, "")
+            self.heads[sid] = head
+            if head is not None:
+                self.before[sid] = head
         except HistoryTampered:
             self.stopped.add(sid)
             self.tampered.add(sid)
@@ -318,5 +331,5 @@ class PurgedPrefix:
 
     def move_heads(self, conn: sqlite3.Connection) -> None:
         for sid, head in self.heads.items():
-            if head is not None:
-                write_head(conn, sid, head)
+            if head is not None and head != self.before[sid]:
+                write_head(conn, self.key, sid, self.before[sid], head, self.where)

@@ -15,24 +15,15 @@ from cryptography.fernet import InvalidToken
 from vault import chainops
 from vault.chain import ChainKey, Head, Link
 from vault.chaincheck import Tamper, check, check_tail
-from vault.engines.sqlite.chainrows import (
-    after_pop,
-    append,
-    chained,
-    read_head,
-    session_rows,
-)
+from vault.engines.sqlite import vaulthead
+from vault.engines.sqlite.chainrows import after_pop, append, read_head, session_rows
 from vault.engines.sqlite.schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE
+from vault.engines.sqlite.vaulthead import chained, file_kid
 from vault.errors import VaultBusy
 
 # `keys_of(file_kid)` is the session's: its chain keys when it holds the file's key
 # (after reloading it, where a read may), else None.
 KeysOf = Callable[[str], "dict[str, ChainKey] | None"]
-
-
-def file_kid(conn: sqlite3.Connection) -> str:
-    row = conn.execute("SELECT value FROM memvault_meta WHERE key = 'kid'").fetchone()
-    return "" if row is None else str(row[0])
 
 
 def insert_items(
@@ -150,6 +141,7 @@ def read_items(
                 raise chainops.tampered(session_id, Tamper.ROLLED_BACK, where)
             return _decoded(session_rows(conn, session_id, limit)), None
         stored = read_head(conn, session_id)
+        chainops.refuse_kind(vaulthead.verdict(conn, keys, (session_id, stored)), session_id, where)
         head = Head.decode(stored)
         if memo is not None and keep and stored is not None and head is not None:
             memo = _caught_up(conn, keys, session_id, stored, head, memo, keep)

@@ -160,7 +160,7 @@ def create(
         # which the temporary file's name lets the next `init` reclaim.
         rows = stage_first_key(ks, vault_id, kid, key)  # a transit key: wrapped, for meta
         testhooks.failpoint("init-key-stored")
-        _build(cls(tmp, ks), vault_id, kid, ttl, rows)
+        _build(cls(tmp, ks), vault_id, kid, ttl, rows, key)
         if anchored is not None:  # born chained: no later file of it may say otherwise
             chainanchor.mark_chained(anchored, vault_id)
         os.fsync(fd)
@@ -204,9 +204,13 @@ def create(
 
 
 def _build(
-    vault: VaultFile, vault_id: str, kid: str, ttl: int | None, rows: dict[str, str]
+    vault: VaultFile, vault_id: str, kid: str, ttl: int | None, rows: dict[str, str], key: str
 ) -> None:
-    """The new vault's tables and meta, in its temporary file, committed."""
+    """The new vault's tables and meta, in its temporary file, committed: born chained,
+    its vault head summing no session yet."""
+    from vault import chain
+    from vault.engines.sqlite import vaulthead
+
     with vault.connection() as conn:
         # Kept by the file; SQLite refuses to change it inside a transaction.
         conn.execute("PRAGMA journal_mode = WAL")
@@ -215,4 +219,5 @@ def _build(
         meta = {**new_meta(FILE_FORMAT, vault_id, kid, ttl, utcnow()), **rows}
         conn.executemany("INSERT INTO memvault_meta (key, value) VALUES (?, ?)", meta.items())
         keyjournal.record(conn, kid, CURRENT)
+        vaulthead.start(conn, chain.chain_key(key, vault_id))
         audit(conn, "init", kid, ttl=durations.format_duration(ttl))

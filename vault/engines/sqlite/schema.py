@@ -353,15 +353,14 @@ def m009_retained_keys_and_backups(conn: sqlite3.Connection) -> None:
 
 @migration
 def m010_history_chain(conn: sqlite3.Connection) -> None:
-    # The links need the key: a file with rows is "building" until the first open with
-    # it links them (chainrows.build). Each step is idempotent: a lost record reruns it.
+    # The links and the vault head need the key: the file is "building" until the first
+    # open with it links its rows, if any, and sums them (chainrows.build); a new vault is
+    # chained by its creation. Each step is idempotent: a lost record reruns it.
     if "chain" not in {c[1] for c in conn.execute(f"PRAGMA table_info({MESSAGES_TABLE})")}:
         conn.execute(f"ALTER TABLE {MESSAGES_TABLE} ADD COLUMN chain TEXT")
     heads = "memvault_chain_heads (session_id TEXT PRIMARY KEY, head TEXT NOT NULL)"
     conn.execute(f"CREATE TABLE IF NOT EXISTS {heads}")
-    rows = conn.execute(f"SELECT 1 FROM {MESSAGES_TABLE} LIMIT 1").fetchone()
-    set_chain = "INSERT OR IGNORE INTO memvault_meta (key, value) VALUES ('chain', ?)"
-    conn.execute(set_chain, ("building" if rows else "on",))
+    conn.execute("INSERT OR IGNORE INTO memvault_meta (key, value) VALUES ('chain', 'building')")
     # A row with no link is refused first: triggers cannot compute a MAC, so this stops
     # accidents (a bare SQLiteSession); the links' MACs stop an attacker.
     _guard(conn, f"CASE WHEN NEW.chain IS NULL THEN 1 ELSE {_NOT_SEALED.strip()} END")

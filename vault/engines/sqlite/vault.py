@@ -57,7 +57,7 @@ from vault.files import Progress
 from vault.importing import ImportsFiles
 from vault.keyload import refuse_revoked
 from vault.keys import KeyStore
-from vault.results import Cleared, Popped, Report, SessionInfo
+from vault.results import Accepted, Cleared, Popped, Report, SessionInfo
 from vault.vaultops import (
     ReadsItems,
     check_limit,
@@ -68,8 +68,7 @@ from vault.vaultops import (
     unknown_session,
 )
 
-# The library's entry points. DEFAULT_TTL, Progress, lock_timeout and the shred functions
-# also stay importable from here, as they were before they got modules of their own.
+# The library's entry points; the others stay importable from here, as they were before.
 __all__ = [
     "DEFAULT_TTL",
     "Cleared",
@@ -91,9 +90,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-# --------------------------------------------------------------------------
-# The vault
-# --------------------------------------------------------------------------
 class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
     """The library object behind every command. Open with `Vault.open` or `Vault.init`.
 
@@ -326,6 +322,12 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
             set_meta(conn, scrub_pending="1")
             audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
         return Cleared(n, unreadable, self.scrub())
+
+    def accept_history(self) -> Accepted:
+        """Take the sessions as they stand as the vault's state (engines.sqlite.accepting)."""
+        from vault.engines.sqlite.accepting import accept_history
+
+        return accept_history(self)
 
     def set_ttl(self, ttl: int | None) -> None:
         backupmark.refuse_writes(self, "`memvault ttl`")

@@ -1,0 +1,49 @@
+"""`memvault accept`: take a vault file's sessions as they stand as its state, on purpose.
+
+The vault head (vault.engines.sqlite.vaulthead) sums every session's head; once it no
+longer matches them (a session put back from an older copy, added or removed whole, or
+a forged head cleared with `clear --include-unreadable`), every session of the file is
+refused. Restoring a backup is the first remedy; this is the other, for a user who has
+looked (`memvault verify`, `show --include-tampered`) and keeps what is there.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+from vault import backupmark, chainops, crypto
+from vault.engines.sqlite import vaulthead
+from vault.engines.sqlite.db import audit
+from vault.results import Accepted
+
+
+class _File(Protocol):
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def vault_id(self) -> str: ...
+
+    def meta(self) -> dict[str, str]: ...
+
+    def sealer(self, refresh: bool = False) -> crypto.Sealer: ...
+
+    def write_transaction(self) -> AbstractContextManager[sqlite3.Connection]: ...
+
+    def check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> crypto.Sealer: ...
+
+
+def accept_history(vault: _File) -> Accepted:
+    """The vault head summed afresh over the sessions' heads, audited. Refused for a
+    backup (it is judged as it was made) and while a session's own head is forged."""
+    backupmark.refuse_writes(vault, "`memvault accept`")
+    sealer = vault.sealer()
+    with vault.write_transaction() as conn:
+        sealer = vault.check_kid(conn, sealer)
+        key = chainops.key_of(sealer, vault.vault_id)
+        n, matched = vaulthead.accept(conn, key, str(vault.path))
+        audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
+    return Accepted(n, matched)

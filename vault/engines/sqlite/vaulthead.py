@@ -1,0 +1,166 @@
+"""The vault head stored in a vault file (vault.chainvault): one `memvault_meta` row,
+moved in the transaction of every write that moves a session's head.
+
+A session's rows and head put back together from an older copy are consistent with
+each other; a session removed or added whole leaves no row to judge. The vault head
+sums every head under the chain key, so either no longer matches it. The sum cannot
+say which session changed: a mismatch is the vault's (`Tamper.VAULT_MISMATCH`), and
+every session of the file is refused until the vault is restored, or its state is
+accepted on purpose (`accept`). What a vault head cannot tell, a whole file put back,
+is the anchor's (vault.chainanchor). The SQL only, inside the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping
+
+from vault import chainops, chainvault
+from vault.chain import ChainKey, Head, head_ok
+from vault.chaincheck import Tamper
+from vault.chainops import CHAIN_META, ON
+from vault.chainvault import VaultHead
+from vault.engines.sqlite.schema import GUARD_MESSAGE
+
+HEADS_TABLE = "memvault_chain_heads"
+VAULT_HEAD_META = "vault_head"
+# Vault heads this process found matching, with the (session, head) pairs they summed:
+# the same vault head and the same head of a session is the same verdict, so an open
+# session's next read costs one meta read, not a sum over every session.
+_VOUCHED: dict[tuple[str, str], dict[str, str]] = {}
+_VOUCHED_MAX = 8
+
+
+def _meta(conn: sqlite3.Connection, key: str) -> str | None:
+    row = conn.execute("SELECT value FROM memvault_meta WHERE key = ?", (key,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def chain_state(conn: sqlite3.Connection) -> str | None:
+    """ON, BUILDING, or None for a file m010 has not migrated yet."""
+    return _meta(conn, CHAIN_META)
+
+
+def chained(conn: sqlite3.Connection) -> bool:
+    """Whether every session of the file is chained (the upgrade has finished)."""
+    return chain_state(conn) == ON
+
+
+def file_kid(conn: sqlite3.Connection) -> str:
+    return _meta(conn, "kid") or ""
+
+
+def stored_heads(conn: sqlite3.Connection) -> dict[str, str]:
+    return {str(s): str(h) for s, h in conn.execute(f"SELECT session_id, head FROM {HEADS_TABLE}")}
+
+
+def _decoded(heads: Mapping[str, str]) -> dict[str, Head]:
+    # A head that does not decode adds nothing to the sum, here as when it was summed;
+    # its session's own check names it.
+    out = {}
+    for sid, text in heads.items():
+        head = Head.decode(text)
+        if head is not None:
+            out[sid] = head
+    return out
+
+
+def _write(conn: sqlite3.Connection, vh: VaultHead) -> None:
+    conn.execute(
+        "INSERT INTO memvault_meta (key, value) VALUES (?, ?) "
+        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        (VAULT_HEAD_META, vh.encode()),
+    )
+
+
+def move(
+    conn: sqlite3.Connection,
+    key: ChainKey,
+    session_id: str,
+    before: Head | None,
+    after: Head,
+    where: str,
+) -> None:
+    """The vault head after one session's head went from `before` to `after`."""
+    text = _meta(conn, VAULT_HEAD_META)
+    if text is None:
+        if chained(conn):
+            raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where)
+        return  # the upgrade's build sums every head when it ends (`start`)
+    vh = VaultHead.decode(text)
+    if vh is not None and vh.kid != key.kid and file_kid(conn) != key.kid:
+        # A rotation moved the vault head with every session's: the session's key is
+        # stale, as the guard says of its items, and the session reloads it and retries.
+        raise sqlite3.IntegrityError(GUARD_MESSAGE)
+    try:
+        if vh is None:
+            raise ValueError("no vault head")
+        _write(conn, chainvault.moved(key, vh, session_id, before, after))
+    except ValueError:
+        raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where) from None
+
+
+def start(conn: sqlite3.Connection, key: ChainKey) -> None:
+    """The file is chained from here: its vault head sums the heads it has (none for a
+    new vault), and the meta says so, in the same transaction."""
+    _write(conn, chainvault.new_vault_head(key, _decoded(stored_heads(conn))))
+    conn.execute(
+        "INSERT INTO memvault_meta (key, value) VALUES (?, ?) "
+        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        (CHAIN_META, ON),
+    )
+
+
+def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping[str, str]) -> None:
+    """At a rotation's switch: the vault head summed afresh under the new key, checked
+    first under the old one against `heads` as they were before the switch re-MACed
+    them. One that does not match is kept as it is: still reported, never laundered."""
+    vh = VaultHead.decode(_meta(conn, VAULT_HEAD_META))
+    moved = None if vh is None else chainvault.rekey(old, new, vh, _decoded(heads))
+    if moved is not None:
+        _write(conn, moved)
+
+
+def verdict(
+    conn: sqlite3.Connection,
+    keys: Mapping[str, ChainKey],
+    session: tuple[str, str | None] | None = None,
+) -> Tamper | None:
+    """Whether the vault head matches every head of the file, in the caller's snapshot.
+    `session` (its id and stored head) lets a verdict already reached for that vault
+    head and that head be reused; without it the sum is always taken (verify)."""
+    if not chained(conn):
+        return None
+    text = _meta(conn, VAULT_HEAD_META)
+    vh = VaultHead.decode(text)
+    key = None if vh is None else keys.get(vh.kid)
+    if text is None or vh is None or key is None:
+        return Tamper.VAULT_MISMATCH
+    vouched = _VOUCHED.get((key.vault_id, text))
+    if session is not None and vouched is not None and vouched.get(session[0]) == session[1]:
+        return None
+    heads = stored_heads(conn)
+    if not chainvault.matches(key, vh, _decoded(heads)):
+        return Tamper.VAULT_MISMATCH
+    if len(_VOUCHED) >= _VOUCHED_MAX:
+        _VOUCHED.clear()
+    _VOUCHED[(key.vault_id, text)] = heads
+    return None
+
+
+def accept(conn: sqlite3.Connection, key: ChainKey, where: str) -> tuple[int, bool]:
+    """The vault head summed afresh over the heads as they stand, on purpose: the way to
+    take a vault whose sessions no longer match it as it is. Refused while a session's
+    own head does not authenticate (that session's check names it; `clear
+    --include-unreadable` deletes it on purpose). Returns the number of sessions and
+    whether the stored vault head matched them already."""
+    heads = stored_heads(conn)
+    decoded = _decoded(heads)
+    for sid in heads:
+        head = decoded.get(sid)
+        if head is None or not head_ok(key, sid, head):
+            raise chainops.tampered(sid, Tamper.UNAUTHENTICATED, where)
+    vh = VaultHead.decode(_meta(conn, VAULT_HEAD_META))
+    matched = vh is not None and chainvault.matches(key, vh, decoded)
+    _write(conn, chainvault.accepted(key, vh, decoded))
+    return len(heads), matched
