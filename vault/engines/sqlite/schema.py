@@ -2,9 +2,9 @@
 
 The file keeps the SDK's own `agent_sessions` / `agent_messages` tables
 unchanged (so `SQLiteSession` can still open it) and adds `memvault_meta`,
-`memvault_audit`, `memvault_keys`, `memvault_migrations`, two guard triggers and
-an index for counting. Migrations are
-a list of functions, each applied once and recorded by name.
+`memvault_audit`, `memvault_keys`, `memvault_migrations`, the history chain's tables,
+two guard triggers and an index for counting. Migrations are a list of functions,
+each applied once and recorded by name.
 """
 
 from __future__ import annotations
@@ -353,13 +353,14 @@ def m009_retained_keys_and_backups(conn: sqlite3.Connection) -> None:
 
 @migration
 def m010_history_chain(conn: sqlite3.Connection) -> None:
-    # The links and the vault head need the key: the file is "building" until the first
-    # open with it links its rows, if any, and sums them (chainrows.build); a new vault is
-    # chained by its creation. Each step is idempotent: a lost record reruns it.
+    # Links and vault head need the key: "building" until the first open with it links
+    # the rows and sums them (chainrows.build), or the creation. Each step is idempotent.
     if "chain" not in {c[1] for c in conn.execute(f"PRAGMA table_info({MESSAGES_TABLE})")}:
         conn.execute(f"ALTER TABLE {MESSAGES_TABLE} ADD COLUMN chain TEXT")
     heads = "memvault_chain_heads (session_id TEXT PRIMARY KEY, head TEXT NOT NULL)"
     conn.execute(f"CREATE TABLE IF NOT EXISTS {heads}")
+    one = "memvault_vault_head (id INTEGER PRIMARY KEY CHECK (id = 1), head TEXT NOT NULL)"
+    conn.execute(f"CREATE TABLE IF NOT EXISTS {one}")  # the vault head: one row
     conn.execute("INSERT OR IGNORE INTO memvault_meta (key, value) VALUES ('chain', 'building')")
     # A row with no link is refused first: triggers cannot compute a MAC, so this stops
     # accidents (a bare SQLiteSession); the links' MACs stop an attacker.

@@ -6,8 +6,7 @@ Where the rest lives:
                    and `VaultFile.write_transaction`, the one way a change begins
   vault.engines.sqlite.lifecycle  the key: loading and checking it, rotation, revocation
   vault.engines.sqlite.shred      destroying a vault
-  vault.results    what the operations return
-  vault.testhooks  the crash/pause points and the chat test model, for tests only
+  vault.results, vault.testhooks   what operations return; crash points for tests
 
 This module never imports `agents`: only `vault.engines.sqlite.session` does, when an agent
 session is opened.

@@ -1,5 +1,6 @@
-"""The vault head stored in a vault file (vault.chainvault): one `memvault_meta` row,
-moved in the transaction of every write that moves a session's head.
+"""The vault head stored in a vault file (vault.chainvault): the one row of
+`memvault_vault_head`, moved in the transaction of every write that moves a session's
+head (a table of its own: an agent's write reads no meta row).
 
 A session's rows and head put back together from an older copy are consistent with
 each other; a session removed or added whole leaves no row to judge. The vault head
@@ -23,7 +24,7 @@ from vault.chainvault import VaultHead
 from vault.engines.sqlite.schema import GUARD_MESSAGE
 
 HEADS_TABLE = "memvault_chain_heads"
-VAULT_HEAD_META = "vault_head"
+VAULT_HEAD_TABLE = "memvault_vault_head"  # one row, id 1 (schema m010)
 # Vault heads this process found matching, with the (session, head) pairs they summed:
 # the same vault head and the same head of a session is the same verdict, so an open
 # session's next read costs one meta read, not a sum over every session.
@@ -54,6 +55,16 @@ def stored_heads(conn: sqlite3.Connection) -> dict[str, str]:
     return {str(s): str(h) for s, h in conn.execute(f"SELECT session_id, head FROM {HEADS_TABLE}")}
 
 
+def _stored(conn: sqlite3.Connection) -> str | None:
+    try:
+        row = conn.execute(f"SELECT head FROM {VAULT_HEAD_TABLE} WHERE id = 1").fetchone()
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):
+            raise
+        return None  # dropped: as missing
+    return None if row is None else str(row[0])
+
+
 def _decoded(heads: Mapping[str, str]) -> dict[str, Head]:
     # A head that does not decode adds nothing to the sum, here as when it was summed;
     # its session's own check names it.
@@ -67,9 +78,9 @@ def _decoded(heads: Mapping[str, str]) -> dict[str, Head]:
 
 def _write(conn: sqlite3.Connection, vh: VaultHead) -> None:
     conn.execute(
-        "INSERT INTO memvault_meta (key, value) VALUES (?, ?) "
-        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-        (VAULT_HEAD_META, vh.encode()),
+        f"INSERT INTO {VAULT_HEAD_TABLE} (id, head) VALUES (1, ?) "
+        "ON CONFLICT(id) DO UPDATE SET head = excluded.head",
+        (vh.encode(),),
     )
 
 
@@ -82,7 +93,7 @@ def move(
     where: str,
 ) -> None:
     """The vault head after one session's head went from `before` to `after`."""
-    text = _meta(conn, VAULT_HEAD_META)
+    text = _stored(conn)
     if text is None:
         if chained(conn):
             raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where)
@@ -115,7 +126,7 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
     """At a rotation's switch: the vault head summed afresh under the new key, checked
     first under the old one against `heads` as they were before the switch re-MACed
     them. One that does not match is kept as it is: still reported, never laundered."""
-    vh = VaultHead.decode(_meta(conn, VAULT_HEAD_META))
+    vh = VaultHead.decode(_stored(conn))
     moved = None if vh is None else chainvault.rekey(old, new, vh, _decoded(heads))
     if moved is not None:
         _write(conn, moved)
@@ -131,7 +142,7 @@ def verdict(
     head and that head be reused; without it the sum is always taken (verify)."""
     if not chained(conn):
         return None
-    text = _meta(conn, VAULT_HEAD_META)
+    text = _stored(conn)
     vh = VaultHead.decode(text)
     key = None if vh is None else keys.get(vh.kid)
     if text is None or vh is None or key is None:
@@ -160,7 +171,7 @@ def accept(conn: sqlite3.Connection, key: ChainKey, where: str) -> tuple[int, bo
         head = decoded.get(sid)
         if head is None or not head_ok(key, sid, head):
             raise chainops.tampered(sid, Tamper.UNAUTHENTICATED, where)
-    vh = VaultHead.decode(_meta(conn, VAULT_HEAD_META))
+    vh = VaultHead.decode(_stored(conn))
     matched = vh is not None and chainvault.matches(key, vh, decoded)
     _write(conn, chainvault.accepted(key, vh, decoded))
     return len(heads), matched
