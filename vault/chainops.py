@@ -73,14 +73,18 @@ def refuse_unchained(
     order someone gave its rows. `state` reads the file's chain state afresh: another
     process may have finished the build (and set the anchor) since this one looked."""
     if store is not None and chainanchor.is_chained(store, vault_id) and state() != ON:
-        raise HistoryTampered(
-            f"{where} says its history was never chained, but this vault's history is "
-            "chained since its upgrade: the file was put back from an older copy or "
-            "rewritten, and nothing was linked or changed; restore a backup with "
-            "`memvault restore`, which accepts the backup's state on purpose",
-            "",
-            Tamper.ROLLED_BACK.value,
-        )
+        raise rewritten_unchained(where)
+
+
+def rewritten_unchained(where: str) -> HistoryTampered:
+    return HistoryTampered(
+        f"{where} says its history was never chained, but this vault's history is "
+        "chained since its upgrade: the file was put back from an older copy or "
+        "rewritten, and nothing was linked or changed; restore a backup with "
+        "`memvault restore`, which accepts the backup's state on purpose",
+        "",
+        Tamper.ROLLED_BACK.value,
+    )
 
 
 def refuse(verdict: Verdict, session_id: str, where: str) -> None:

@@ -153,22 +153,113 @@ def test_a_rotation_carries_the_vault_head_and_never_launders_a_mismatch(
     assert r.code == 1 and "vault head" in r.err, r
 
 
-def test_accept_refuses_a_forged_head_and_a_backup(
+def _forge_head(db: Path, sid: str) -> None:
+    """The session's head with its seq moved on, its MAC left: it no longer authenticates,
+    and its state is not the one the vault head sums."""
+    _rows, head = _session(db, sid)
+    assert head is not None
+    parts = head.split(".")
+    parts[5] = str(int(parts[5]) + 5)
+    with _db(db) as conn:
+        conn.execute(
+            "UPDATE memvault_chain_heads SET head = ? WHERE session_id = ?", (".".join(parts), sid)
+        )
+
+
+def test_accept_refuses_a_backup_before_asking_and_a_forged_head(
     two_sessions: Vault, vault_db: Path, tmp_path: Path
 ) -> None:
     backup = tmp_path / "backup.db"
     assert run_cli("backup", str(backup)).code == 0
-    r = run_cli("--db", str(backup), "accept", "--yes")
-    assert r.code == 1 and "is a backup" in r.err, r
+    r = run_cli("--db", str(backup), "accept")  # no answer given: refused before the question
+    assert r.code == 1 and "is a backup" in r.err and "Accept every session" not in r.out, r
 
-    _rows, head = _session(vault_db, "t")
-    assert head is not None
-    forged = head[:-1] + ("0" if head[-1] != "0" else "1")
-    with _db(vault_db) as conn:
-        conn.execute("UPDATE memvault_chain_heads SET head = ? WHERE session_id = 't'", (forged,))
+    _forge_head(vault_db, "t")
     r = run_cli("accept", "--yes")
-    assert r.code == 1 and "'t'" in r.err and "unauthenticated" in r.err, r
+    assert r.code == 1 and "clear 't' --include-unreadable" in r.err, r
     assert run_cli("verify").code == 1
+
+
+def test_a_forged_head_kept_through_a_rotation_is_cleared_then_accepted(
+    two_sessions: Vault, vault_db: Path
+) -> None:
+    # The rotation cannot sum the vault head afresh (it does not match), so it stays under
+    # the old key: the documented remedy must still work after it.
+    _forge_head(vault_db, "t")
+    assert run_cli("rotate").code == 0
+    r = run_cli("--json", "verify")
+    assert r.code == 1 and _vault_line(r.json()["details"]["history_chain"]), r
+    r = run_cli("clear", "t", "--include-unreadable", "--yes")
+    assert r.code == 0, r
+    assert run_cli("accept", "--yes").code == 0
+    r = run_cli("verify")
+    assert r.code == 0, r
+    assert run_cli("show", "s").code == 0
+
+
+def test_a_file_marked_unchained_that_keeps_its_vault_head_is_refused_not_summed_again(
+    two_sessions: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    # Without the anchor (as a transit vault has none), only the file can tell: a vault
+    # head is written as a build ends, so a file "building" with one was rewritten.
+    from vault import chainanchor
+    from vault.keys import KeyStore
+
+    put_back_whole(vault_db, tmp_path)
+    chainanchor.forget(KeyStore(), two_sessions.vault_id)
+    with _db(vault_db) as conn:
+        conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
+    for args in (["verify"], ["show", "s"]):
+        r = run_cli(*args)
+        assert r.code == 1 and "never chained" in r.err and "Traceback" not in r.err, r
+    with _db(vault_db) as conn:
+        assert conn.execute("SELECT value FROM memvault_meta WHERE key = 'chain'").fetchone() == (
+            "building",
+        )
+
+
+def test_a_dropped_vault_head_is_reported_and_accept_brings_it_back(
+    two_sessions: Vault, vault_db: Path
+) -> None:
+    with _db(vault_db) as conn:
+        conn.execute("DROP TABLE memvault_vault_head")
+    r = run_cli("--json", "verify")
+    assert r.code == 1 and _vault_line(r.json()["details"]["history_chain"]), r
+    assert run_cli("show", "s").code == 1
+    r = run_cli("accept", "--yes")
+    assert r.code == 0, r
+    assert run_cli("verify").code == 0
+
+
+def test_an_open_session_sees_its_session_and_the_vault_head_put_back_together(
+    two_sessions: Vault, vault_db: Path
+) -> None:
+    # What this process judged before (that vault head, that head of `s`) is no proof:
+    # only the other sessions' newer heads tell, so each read compares them all.
+    import vault as vault_pkg
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db)
+        try:
+            assert len(await s.get_items()) == 5  # judged: this vault head, these heads
+            rows, head = _session(vault_db, "s")
+            with _db(vault_db) as conn:
+                (old_vh,) = conn.execute("SELECT head FROM memvault_vault_head").fetchone()
+            for sid, text in (("s", "a turn the rollback takes away"), ("t", "t goes on")):
+                other = vault_pkg.open_session(sid, vault_db)  # another writer
+                await other.add_items([user(text)])
+                other.close()
+            _replace(vault_db, "s", rows, head)
+            with _db(vault_db) as conn:
+                conn.execute("UPDATE memvault_vault_head SET head = ?", (old_vh,))
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == MISMATCH
+        finally:
+            s.close()
+
+    asyncio.run(go())
+    assert read_in_a_new_process(vault_db) == {"tampered": MISMATCH, "session": "s"}
 
 
 def test_an_open_session_sees_its_own_session_put_back_whole(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from vault.backupmark import refuse_writes
 from vault.cli.common import (
     PATH,
     common,
@@ -261,9 +262,11 @@ def accept_cmd(yes: bool) -> None:
 
     \b
     Exit codes:
-      1  a session's own head is forged, the file is a backup, or the answer was no
+      1  a session's own head is forged, the file is a backup, the vault is a
+         PostgreSQL vault (no history chain yet), or the answer was no
       3  no vault at that path
       4  the key is missing, revoked or does not match
+      5  the vault is busy: another process holds its write lock
 
     \b
     Example:
@@ -271,6 +274,7 @@ def accept_cmd(yes: bool) -> None:
       memvault accept --yes
     """
     vault = open_any()
+    refuse_writes(vault, "`memvault accept`")  # before anything is asked
     confirm(
         f"Accept every session of {vault.path} as it stands now as the vault's state? "
         "A session put back from an older copy, added or removed whole stays as it is",

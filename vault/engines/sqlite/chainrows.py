@@ -11,6 +11,7 @@ import dataclasses
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Protocol
 
 from vault import chain, chainops, crypto
@@ -126,9 +127,13 @@ def after_clear(
         head = chain.new_head(key, session_id)
         if old is not None:
             head = dataclasses.replace(head, epoch=old.epoch, base=old.end, end=old.end)
-    # A forged head's state was never summed: the vault head then stops matching, and
-    # `memvault accept` takes the vault as it is, on purpose.
-    write_head(conn, key, session_id, old, chain.clear(key, session_id, head), where)
+    try:
+        write_head(conn, key, session_id, old, chain.clear(key, session_id, head), where)
+    except HistoryTampered:
+        if not forced:
+            raise
+        # The vault head does not authenticate (a rotation keeps one that did not match):
+        # it stays as it is, the session's new head written, for `memvault accept`.
 
 
 def session_rows(
@@ -155,15 +160,14 @@ def judge(
     still sums this session's head with the others'."""
     if not chained(conn):
         return Verdict()
-    stored = read_head(conn, session_id)
-    head = Head.decode(stored)
+    head = Head.decode(read_head(conn, session_id))
     rows = session_rows(conn, session_id, limit)
     if limit is None:
         verdict = check(keys, session_id, rows, head)
     else:
         verdict = check_tail(keys, session_id, rows, head, limit)
     if verdict.ok and whole_vault:
-        return Verdict(vaulthead.verdict(conn, keys, (session_id, stored)))
+        return Verdict(vaulthead.verdict(conn, keys))
     return verdict
 
 
@@ -218,6 +222,9 @@ def remac_heads(conn: sqlite3.Connection, old: ChainKey, new: ChainKey) -> None:
 
 
 class _File(Protocol):
+    @property
+    def path(self) -> Path: ...
+
     def connection(self) -> AbstractContextManager[sqlite3.Connection]: ...
 
     def write_transaction(self) -> AbstractContextManager[sqlite3.Connection]: ...
@@ -236,6 +243,10 @@ def build(vault: _File, key: ChainKey, keys: Mapping[str, ChainKey]) -> None:
         with vault.write_transaction() as conn:
             if chain_state(conn) != BUILDING:
                 return
+            if vaulthead.exists(conn):
+                # Written only as a build ends: this file was made to look unchained, and
+                # a build would sum whatever heads it now holds (a vault with no anchor).
+                raise chainops.rewritten_unchained(str(vault.path))
             todo = conn.execute(
                 # Text ids only: a row whose id is not text (no memvault writer puts one)
                 # is left unlinked, so verify reports it, instead of looping here.

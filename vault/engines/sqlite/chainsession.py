@@ -141,7 +141,7 @@ def read_items(
                 raise chainops.tampered(session_id, Tamper.ROLLED_BACK, where)
             return _decoded(session_rows(conn, session_id, limit)), None
         stored = read_head(conn, session_id)
-        chainops.refuse_kind(vaulthead.verdict(conn, keys, (session_id, stored)), session_id, where)
+        chainops.refuse_kind(vaulthead.verdict(conn, keys), session_id, where)
         head = Head.decode(stored)
         if memo is not None and keep and stored is not None and head is not None:
             memo = _caught_up(conn, keys, session_id, stored, head, memo, keep)

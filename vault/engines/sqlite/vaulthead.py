@@ -22,12 +22,19 @@ from vault.chaincheck import Tamper
 from vault.chainops import CHAIN_META, ON
 from vault.chainvault import VaultHead
 from vault.engines.sqlite.schema import GUARD_MESSAGE
+from vault.errors import HistoryTampered
 
 HEADS_TABLE = "memvault_chain_heads"
 VAULT_HEAD_TABLE = "memvault_vault_head"  # one row, id 1 (schema m010)
-# Vault heads this process found matching, with the (session, head) pairs they summed:
-# the same vault head and the same head of a session is the same verdict, so an open
-# session's next read costs one meta read, not a sum over every session.
+# m010's, again for `accept`: a file whose table was dropped gets it back on purpose.
+_TABLE_SQL = (
+    f"CREATE TABLE IF NOT EXISTS {VAULT_HEAD_TABLE} "
+    "(id INTEGER PRIMARY KEY CHECK (id = 1), head TEXT NOT NULL)"
+)
+# Vault heads this process found matching, with the heads they summed: the same vault
+# head over the very same heads is the same verdict, so a read pays one SELECT of the
+# heads, not an HMAC per session. Every head is compared, not only the reader's: a
+# session and the vault head put back together are told only by the others' heads.
 _VOUCHED: dict[tuple[str, str], dict[str, str]] = {}
 _VOUCHED_MAX = 8
 
@@ -63,6 +70,10 @@ def _stored(conn: sqlite3.Connection) -> str | None:
             raise
         return None  # dropped: as missing
     return None if row is None else str(row[0])
+
+
+def exists(conn: sqlite3.Connection) -> bool:
+    return _stored(conn) is not None
 
 
 def _decoded(heads: Mapping[str, str]) -> dict[str, Head]:
@@ -132,14 +143,8 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
         _write(conn, moved)
 
 
-def verdict(
-    conn: sqlite3.Connection,
-    keys: Mapping[str, ChainKey],
-    session: tuple[str, str | None] | None = None,
-) -> Tamper | None:
-    """Whether the vault head matches every head of the file, in the caller's snapshot.
-    `session` (its id and stored head) lets a verdict already reached for that vault
-    head and that head be reused; without it the sum is always taken (verify)."""
+def verdict(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> Tamper | None:
+    """Whether the vault head matches every head of the file, in the caller's snapshot."""
     if not chained(conn):
         return None
     text = _stored(conn)
@@ -147,10 +152,9 @@ def verdict(
     key = None if vh is None else keys.get(vh.kid)
     if text is None or vh is None or key is None:
         return Tamper.VAULT_MISMATCH
-    vouched = _VOUCHED.get((key.vault_id, text))
-    if session is not None and vouched is not None and vouched.get(session[0]) == session[1]:
-        return None
     heads = stored_heads(conn)
+    if _VOUCHED.get((key.vault_id, text)) == heads:
+        return None
     if not chainvault.matches(key, vh, _decoded(heads)):
         return Tamper.VAULT_MISMATCH
     if len(_VOUCHED) >= _VOUCHED_MAX:
@@ -170,8 +174,16 @@ def accept(conn: sqlite3.Connection, key: ChainKey, where: str) -> tuple[int, bo
     for sid in heads:
         head = decoded.get(sid)
         if head is None or not head_ok(key, sid, head):
-            raise chainops.tampered(sid, Tamper.UNAUTHENTICATED, where)
+            raise HistoryTampered(
+                f"session {sid!r} of {where} has a head that does not authenticate, so the "
+                "vault's state cannot be accepted; delete that session's history on purpose "
+                f"with `memvault clear {sid!r} --include-unreadable` first, or restore the "
+                "vault from a backup; nothing was changed",
+                sid,
+                Tamper.UNAUTHENTICATED.value,
+            )
     vh = VaultHead.decode(_stored(conn))
+    conn.execute(_TABLE_SQL)
     matched = vh is not None and chainvault.matches(key, vh, decoded)
     _write(conn, chainvault.accepted(key, vh, decoded))
     return len(heads), matched
