@@ -81,6 +81,7 @@ def test_releases_before_the_chain_refuse_an_upgraded_file(
         conn.execute("DELETE FROM memvault_migrations WHERE name = 'm010_history_chain'")
         conn.execute("DELETE FROM memvault_meta WHERE key = 'chain'")
         conn.execute("DROP TABLE memvault_chain_heads")
+        conn.execute("DROP TABLE memvault_vault_head")
         m008_guard_triggers_text_first(conn)  # its guard, which names no chain column
         conn.execute("ALTER TABLE agent_messages DROP COLUMN chain")
     conn.close()
@@ -262,6 +263,7 @@ def _unchain(db: Path, keep_heads_of: set[str]) -> None:
     (vault_id,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
     chainanchor.forget(KeyStore(), vault_id)
     conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
+    conn.execute("DELETE FROM memvault_vault_head")  # written only as the build ends
     for sid in [r[0] for r in conn.execute("SELECT session_id FROM memvault_chain_heads")]:
         if sid not in keep_heads_of:
             conn.execute("DELETE FROM memvault_chain_heads WHERE session_id = ?", (sid,))

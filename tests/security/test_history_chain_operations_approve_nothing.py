@@ -162,6 +162,7 @@ def test_an_upgrade_stops_on_a_row_whose_session_id_is_not_text(
                  (b"A", text))  # fmt: skip
     conn.execute("UPDATE agent_messages SET chain = NULL")
     conn.execute("DELETE FROM memvault_chain_heads")
+    conn.execute("DELETE FROM memvault_vault_head")
     conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
     conn.close()
     chainanchor.forget(KeyStore(), vault.vault_id)  # as a vault from before the chain
