@@ -376,7 +376,7 @@ def _chains(
     """Every session's rows judged against its head: the first problem of each, by kind."""
     from vault.engines.sqlite import chainrows, vaulthead
 
-    if meta.get(chainops.CHAIN_META) != chainops.ON:
+    if meta.get(chainops.CHAIN_META) != chainops.ON and not vaulthead.exists(conn):
         if backupmark.is_backup(meta):
             return  # made before the upgrade: it has no chain to judge (SECURITY.md)
         report.add(

@@ -172,12 +172,22 @@ def test_accept_refuses_a_backup_before_asking_and_a_forged_head(
     backup = tmp_path / "backup.db"
     assert run_cli("backup", str(backup)).code == 0
     r = run_cli("--db", str(backup), "accept")  # no answer given: refused before the question
-    assert r.code == 1 and "is a backup" in r.err and "Accept every session" not in r.out, r
+    assert r.code == 1 and "is a backup" in r.err and "Accept every session" not in r.err, r
 
     _forge_head(vault_db, "t")
     r = run_cli("accept", "--yes")
     assert r.code == 1 and "clear 't' --include-unreadable" in r.err, r
     assert run_cli("verify").code == 1
+
+
+def test_accept_names_no_clear_for_a_forged_head_of_a_session_with_no_rows(
+    two_sessions: Vault, vault_db: Path
+) -> None:
+    assert run_cli("clear", "t", "--yes").code == 0  # its head stays, its rows go
+    _forge_head(vault_db, "t")
+    r = run_cli("accept", "--yes")
+    assert r.code == 1 and "'t'" in r.err and "restore the vault from a backup" in r.err, r
+    assert "clear 't'" not in r.err
 
 
 def test_a_forged_head_kept_through_a_rotation_is_cleared_then_accepted(
@@ -197,8 +207,15 @@ def test_a_forged_head_kept_through_a_rotation_is_cleared_then_accepted(
     assert run_cli("show", "s").code == 0
 
 
+@pytest.mark.parametrize(
+    "unmark",
+    [
+        "UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'",
+        "DELETE FROM memvault_meta WHERE key = 'chain'",
+    ],
+)
 def test_a_file_marked_unchained_that_keeps_its_vault_head_is_refused_not_summed_again(
-    two_sessions: Vault, vault_db: Path, tmp_path: Path
+    two_sessions: Vault, vault_db: Path, tmp_path: Path, unmark: str
 ) -> None:
     # Without the anchor (as a transit vault has none), only the file can tell: a vault
     # head is written as a build ends, so a file "building" with one was rewritten.
@@ -208,13 +225,13 @@ def test_a_file_marked_unchained_that_keeps_its_vault_head_is_refused_not_summed
     put_back_whole(vault_db, tmp_path)
     chainanchor.forget(KeyStore(), two_sessions.vault_id)
     with _db(vault_db) as conn:
-        conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
-    for args in (["verify"], ["show", "s"]):
+        conn.execute(unmark)
+    for args in (["verify"], ["show", "s"], ["show", "t"]):
         r = run_cli(*args)
         assert r.code == 1 and "never chained" in r.err and "Traceback" not in r.err, r
     with _db(vault_db) as conn:
-        assert conn.execute("SELECT value FROM memvault_meta WHERE key = 'chain'").fetchone() == (
-            "building",
+        assert conn.execute("SELECT value FROM memvault_meta WHERE key = 'chain'").fetchall() == (
+            [("building",)] if "UPDATE" in unmark else []
         )
 
 

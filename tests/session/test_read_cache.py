@@ -294,6 +294,7 @@ def test_a_file_made_to_look_unchained_under_an_open_session_is_refused(
     conn = sqlite3.connect(vault_db)
     with conn:  # say "never chained", then swap two rows: nothing here needs the key
         conn.execute("UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'")
+        conn.execute("DELETE FROM memvault_vault_head")  # which would say "chained"
         (a, da), (b, db) = conn.execute(
             "SELECT id, message_data FROM agent_messages ORDER BY id LIMIT 2"
         ).fetchall()

@@ -17,7 +17,7 @@ from typing import Protocol
 from vault import chain, chainops, crypto
 from vault.chain import ChainKey, Head
 from vault.chaincheck import Verdict, check, check_tail
-from vault.chainops import BUILDING
+from vault.chainops import BUILDING, ON
 from vault.chainops import key_of as key_of  # for the engine's callers: one import
 from vault.chainops import keys_for as keys_for
 from vault.chainops import refuse as refuse
@@ -236,17 +236,14 @@ def build(vault: _File, key: ChainKey, keys: Mapping[str, ChainKey]) -> None:
     meta says the file is chained. Rows that already carry a link are left alone. Each
     row is linked under the key its envelope names (`keys`, by kid: a rotation cut off
     leaves rows under the old one, which it re-MACs as it moves them), else `key`."""
-    with vault.connection() as conn:
-        if chain_state(conn) != BUILDING:
-            return  # asked without the write lock: done, or m010 not applied yet
     while True:
         with vault.write_transaction() as conn:
-            if chain_state(conn) != BUILDING:
-                return
-            if vaulthead.exists(conn):
+            if chain_state(conn) != ON and vaulthead.exists(conn):
                 # Written only as a build ends: this file was made to look unchained, and
                 # a build would sum whatever heads it now holds (a vault with no anchor).
                 raise chainops.rewritten_unchained(str(vault.path))
+            if chain_state(conn) != BUILDING:
+                return  # done, or m010 not applied yet
             todo = conn.execute(
                 # Text ids only: a row whose id is not text (no memvault writer puts one)
                 # is left unlinked, so verify reports it, instead of looping here.

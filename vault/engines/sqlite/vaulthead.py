@@ -21,7 +21,7 @@ from vault.chain import ChainKey, Head, head_ok
 from vault.chaincheck import Tamper
 from vault.chainops import CHAIN_META, ON
 from vault.chainvault import VaultHead
-from vault.engines.sqlite.schema import GUARD_MESSAGE
+from vault.engines.sqlite.schema import GUARD_MESSAGE, session_exists_sql
 from vault.errors import HistoryTampered
 
 HEADS_TABLE = "memvault_chain_heads"
@@ -50,8 +50,10 @@ def chain_state(conn: sqlite3.Connection) -> str | None:
 
 
 def chained(conn: sqlite3.Connection) -> bool:
-    """Whether every session of the file is chained (the upgrade has finished)."""
-    return chain_state(conn) == ON
+    """Whether every session of the file is chained (the upgrade has finished). A vault
+    head says so too: one is written only as a build ends, so a file that has one and
+    says otherwise (its meta row rewritten or deleted) is judged as chained."""
+    return chain_state(conn) == ON or exists(conn)
 
 
 def file_kid(conn: sqlite3.Connection) -> str:
@@ -163,6 +165,10 @@ def verdict(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> Tamper | 
     return None
 
 
+def _listed(conn: sqlite3.Connection, session_id: str) -> bool:
+    return conn.execute(session_exists_sql("?"), (session_id, session_id)).fetchone() is not None
+
+
 def accept(conn: sqlite3.Connection, key: ChainKey, where: str) -> tuple[int, bool]:
     """The vault head summed afresh over the heads as they stand, on purpose: the way to
     take a vault whose sessions no longer match it as it is. Refused while a session's
@@ -174,11 +180,16 @@ def accept(conn: sqlite3.Connection, key: ChainKey, where: str) -> tuple[int, bo
     for sid in heads:
         head = decoded.get(sid)
         if head is None or not head_ok(key, sid, head):
+            # `clear` needs the session's rows or its row in agent_sessions to find it.
+            fix = (
+                f"delete that session's history on purpose with `memvault clear {sid!r} "
+                "--include-unreadable` first, or restore the vault from a backup"
+                if _listed(conn, sid)
+                else "restore the vault from a backup"
+            )
             raise HistoryTampered(
                 f"session {sid!r} of {where} has a head that does not authenticate, so the "
-                "vault's state cannot be accepted; delete that session's history on purpose "
-                f"with `memvault clear {sid!r} --include-unreadable` first, or restore the "
-                "vault from a backup; nothing was changed",
+                f"vault's state cannot be accepted; {fix}; nothing was changed",
                 sid,
                 Tamper.UNAUTHENTICATED.value,
             )
