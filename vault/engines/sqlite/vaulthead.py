@@ -21,6 +21,7 @@ from vault.chain import ChainKey, Head, head_ok
 from vault.chaincheck import Tamper
 from vault.chainops import CHAIN_META, ON
 from vault.chainvault import VaultHead
+from vault.engines.sqlite.db import set_meta
 from vault.engines.sqlite.schema import GUARD_MESSAGE, session_exists_sql
 from vault.errors import HistoryTampered
 
@@ -128,11 +129,7 @@ def start(conn: sqlite3.Connection, key: ChainKey) -> None:
     """The file is chained from here: its vault head sums the heads it has (none for a
     new vault), and the meta says so, in the same transaction."""
     _write(conn, chainvault.new_vault_head(key, _decoded(stored_heads(conn))))
-    conn.execute(
-        "INSERT INTO memvault_meta (key, value) VALUES (?, ?) "
-        "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-        (CHAIN_META, ON),
-    )
+    set_meta(conn, **{CHAIN_META: ON})
 
 
 def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping[str, str]) -> None:
@@ -146,9 +143,8 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
 
 
 def verdict(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> Tamper | None:
-    """Whether the vault head matches every head of the file, in the caller's snapshot."""
-    if not chained(conn):
-        return None
+    """Whether the vault head matches every head of the file, in the caller's snapshot.
+    Asked of a chained file only (`chained`: each caller has just read it)."""
     text = _stored(conn)
     vh = VaultHead.decode(text)
     key = None if vh is None else keys.get(vh.kid)
