@@ -71,7 +71,7 @@ def bench_cache(cfg: Config, ws: Workspace) -> None:
 
     def first_read() -> object:
         first.forget_reads()  # the cache as a new session has it: empty
-        first.underlying_session.memo = None
+        first.underlying_session.chain.memo = None
         return run(first.get_items())
 
     reads = {

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from vault.engines.sqlite.vault import Vault
 from vault.errors import HistoryTampered, VaultError
+from vault.sessionanchor import ANCHOR_EVERY
 
 if TYPE_CHECKING:
     from agents import SessionSettings
@@ -43,6 +44,7 @@ def open_session(
     *,
     session_settings: SessionSettings | dict[str, Any] | None = None,
     read_cache: bool = True,
+    anchor_every: float = ANCHOR_EVERY,
 ) -> VaultSession:
     """An `EncryptedSession` over `SQLiteSession` on the vault file, TTL from the vault.
 
@@ -59,6 +61,11 @@ def open_session(
     The session keeps each item it decrypted in memory while it is open, so the runner's
     read before each turn decrypts only what is new (vault.readcache). `read_cache=False`
     decrypts every item on every read instead (SECURITY.md, "The read cache").
+
+    The session records the vault's state outside the file (the anchor, in the keyring)
+    at its first write, after a write once `anchor_every` seconds have passed since it
+    last did, and when it closes: a file put back from a copy older than that is
+    refused. 0 records after every write (SECURITY.md, "The window").
     """
     from vault.engines.registry import open_vault
 
@@ -68,4 +75,5 @@ def open_session(
         session_id, session_settings=session_settings
     )
     session.read_cache = read_cache
+    session.anchor_every = anchor_every
     return session

@@ -23,7 +23,10 @@ BACKED_UP_AT = "backed_up_at"
 # Where the live vault was (a file's absolute path, or a PostgreSQL URL without its
 # password): `restore` into another path refuses while that vault is still there.
 BACKUP_FROM = "backup_from"
-MARK = (BACKUP_OF, BACKUP_ID, BACKED_UP_AT, BACKUP_FROM)
+# The backup's own vault head, sealed under its key (vault.chainvault.seal_backup): what
+# it is judged against, never the live vault's anchor (vault.engines.sqlite.anchoring).
+BACKUP_POINT = "backup_point"
+MARK = (BACKUP_OF, BACKUP_ID, BACKED_UP_AT, BACKUP_FROM, BACKUP_POINT)
 
 
 class HasMeta(Protocol):

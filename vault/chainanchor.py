@@ -4,18 +4,20 @@ its file, in the keyring entry `<vault_id>/anchor` beside its keys.
 A file put back whole from an older copy is consistent with itself; only a record
 kept elsewhere tells it. The anchor holds a `Point` (the vault head's `seq` and
 `digest`), nothing secret: a file whose head is behind it, or at its `seq` with
-another digest, was rolled back. It only moves forward, except on purpose
-(`restore`, or accepting a file put back by hand). It is written after the write
-it records has committed, so that a kill between the two leaves it behind the
-file (a window, never a false alarm).
+another digest, was rolled back. It only moves forward: `restore`, and `accept` of
+a file put back by hand, write a vault head past it, which it then moves to. It is
+written after the write it records has committed, so that a kill between the two
+leaves it behind the file (a window, never a false alarm). Who moves it:
+vault.engines.sqlite.anchoring; how a process judges by it: `Floor`.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 from vault.chain import MAC_BYTES, count_of, hex_text, unhex
-from vault.chainvault import ZERO, Point
+from vault.chainvault import ZERO, Point, behind
 
 ANCHOR_VERSION = "a1"
 # What the anchor holds from the moment a vault's history is chained (its creation, or
@@ -60,12 +62,12 @@ def read(store: Store, vault_id: str) -> Point | None:
     return None if text is None else decode(text)
 
 
-def advance(store: Store, vault_id: str, point: Point, *, moved_back: bool = False) -> Point:
+def advance(store: Store, vault_id: str, point: Point) -> Point:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
-    state), unless `moved_back` (a restore, or a file accepted on purpose)."""
+    state). Nothing moves it back: `restore` and `accept` write a vault head past it."""
     stored = read(store, vault_id)
-    if stored is not None and not moved_back and point.seq <= stored.seq:
+    if stored is not None and point.seq <= stored.seq:
         return stored
     store.set(entry_name(vault_id), encode(point))
     return point
@@ -85,3 +87,34 @@ def is_chained(store: Store, vault_id: str) -> bool:
     """Whether an anchor says this vault's history was chained: an unchained file of it
     was then put back from an older copy, or rewritten."""
     return store.get(entry_name(vault_id)) is not None
+
+
+class Floor:
+    """The newest point a process knows its vault file reached: the anchor as read when
+    the key was loaded, raised by every vault head the process has since found matching
+    its heads. A vault head behind it is a file put back from an older copy, including
+    under a session that is open (its floor is then past the anchor).
+
+    `exact`: a backup's, its own sealed point (it never takes a write), which its vault
+    head must equal."""
+
+    def __init__(self, point: Point | None = None, *, exact: bool = False) -> None:
+        self.point = point
+        self.exact = exact
+        self._guard = threading.Lock()  # the SDK's reads run in worker threads
+
+    def passes(self, point: Point) -> bool:
+        """Whether a vault head at `point`, authentic and matching its heads, is not
+        older than the floor; the floor moves up to it."""
+        with self._guard:
+            if self.point is None:
+                if self.exact:
+                    return True  # a backup made before backups recorded their point
+                self.point = point
+                return True
+            if self.exact:
+                return point == self.point
+            if behind(point, self.point):
+                return False
+            self.point = point
+            return True

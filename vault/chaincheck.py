@@ -31,6 +31,9 @@ class Tamper(enum.Enum):
     # The vault's, not one session's: its vault head (vault.chainvault) does not sum its
     # sessions' heads, so one was put back whole, added or removed, which cannot be told.
     VAULT_MISMATCH = "a session put back from an older copy, added or removed whole"
+    # The whole file, every head and the vault head together, is older than the state the
+    # anchor kept outside it (vault.chainanchor) recorded, or than a backup's sealed point.
+    FILE_ROLLED_BACK = "the whole vault put back from an older copy"
 
 
 @dataclass(frozen=True)

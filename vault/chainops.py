@@ -55,6 +55,15 @@ def tampered(session_id: str, kind: Tamper | str, where: str) -> HistoryTampered
             session_id,
             what,
         )
+    if kind is Tamper.FILE_ROLLED_BACK:
+        return HistoryTampered(
+            f"{where} is older than the state memvault recorded of it outside the file "
+            f"({what}), so session {session_id!r} was not read or changed; put the "
+            "newer file back, restore a backup with `memvault restore`, or take this one "
+            "as it is with `memvault accept`",
+            session_id,
+            what,
+        )
     return HistoryTampered(
         f"the history of session {session_id!r} in {where} does not verify ({what}); "
         "nothing was read or changed; restore the vault from a backup "

@@ -41,6 +41,8 @@ VAULT_HEAD_VERSION = "v1"
 FIRST_SEQ = 1
 _TERM_DOMAIN = b"memvault chain vault term v1"
 _VAULT_HEAD_DOMAIN = b"memvault chain vault head v1"
+_BACKUP_DOMAIN = b"memvault chain backup point v1"
+BACKUP_POINT_VERSION = "b1"
 ZERO = bytes(MAC_BYTES)
 
 
@@ -135,11 +137,13 @@ def rekey(
     return _sealed(new, vh.seq + 1, digest_of(new, heads))
 
 
-def accepted(key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head]) -> VaultHead:
-    """The vault head over the heads as they stand, on purpose (`memvault accept`): one
-    write past the stored head, or a fresh one when there is none."""
-    seq = FIRST_SEQ if vh is None else vh.seq + 1
-    return _sealed(key, seq, digest_of(key, heads))
+def accepted(
+    key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head], past: int = 0
+) -> VaultHead:
+    """The vault head over the heads as they stand, on purpose (`memvault accept`, a
+    `restore`): one write past the stored head and past `past`, the anchor's `seq`, so
+    that the state taken is newer than anything recorded of the vault."""
+    return _sealed(key, max(0 if vh is None else vh.seq, past) + 1, digest_of(key, heads))
 
 
 def moved(
@@ -167,8 +171,42 @@ def judge(
     if not _hmac.compare_digest(digest_of(key, heads), vh.digest):
         # A session put back from an older copy (rows and head), added or removed whole.
         return Tamper.ROLLED_BACK
-    if anchor is not None and (
-        vh.seq < anchor.seq or (vh.seq == anchor.seq and vh.digest != anchor.digest)
-    ):
-        return Tamper.ROLLED_BACK  # the whole file is older than what was seen of it
+    if anchor is not None and behind(vh.point(), anchor):
+        return Tamper.FILE_ROLLED_BACK  # the whole file is older than what was seen of it
     return None
+
+
+def behind(point: Point, anchor: Point) -> bool:
+    """Whether a vault head at `point` is older than `anchor`: a lower `seq`, or the same
+    one with another digest (a fork: each write of the vault moves `seq` by one, so one
+    history has one digest at each `seq`)."""
+    return point.seq < anchor.seq or (
+        point.seq == anchor.seq and not _hmac.compare_digest(point.digest, anchor.digest)
+    )
+
+
+def seal_backup(key: ChainKey, backup_id: str, point: Point) -> str:
+    """The text a backup keeps of its own vault head (`backup_point` in its meta): the
+    point, MACed with the backup's id, so that no one without the key can mark an older
+    copy of the live file as a backup of its own state."""
+    data = fields(_BACKUP_DOMAIN, utf8(key.vault_id), utf8(key.kid), utf8(backup_id))
+    mac = key.mac(data + fields(num(point.seq), point.digest))
+    return ".".join(
+        [BACKUP_POINT_VERSION, key.kid, str(point.seq), hex_text(point.digest), hex_text(mac)]
+    )
+
+
+def backup_point(keys: Mapping[str, ChainKey], backup_id: str, text: str) -> Point | None:
+    """The point a backup's `backup_point` seals, or None when it does not authenticate
+    under `keys` (or is not one)."""
+    parts = text.split(".")
+    if len(parts) != 5 or parts[0] != BACKUP_POINT_VERSION or parts[1] not in keys:
+        return None
+    try:
+        point = Point(count_of(parts[2]), unhex(parts[3]))
+    except ValueError:
+        return None
+    if len(point.digest) != MAC_BYTES:
+        return None
+    sealed = seal_backup(keys[parts[1]], backup_id, point)
+    return point if _hmac.compare_digest(sealed.encode(), text.encode()) else None

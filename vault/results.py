@@ -71,7 +71,8 @@ class KeyVersionInfo:
 @dataclass(frozen=True)
 class Accepted:
     """`Vault.accept_history`: the vault head summed afresh over this many sessions'
-    heads, on purpose; `matched` says whether the stored one already matched them."""
+    heads, on purpose, past the anchor; `matched` says whether the stored one already
+    matched them and was not older than the anchor."""
 
     sessions: int
     matched: bool

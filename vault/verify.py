@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from vault import backupmark, chainops, crypto, paths
+from vault import crypto, paths
+from vault.engines.sqlite.anchoring import Anchored
 from vault.engines.sqlite.db import (
     check_header,
     is_damage,
@@ -174,7 +175,7 @@ def verify(
     check_header(path)  # exit 3 for nothing or not SQLite; a truncated file is VaultCorrupt
     refuse_odd_side_files(path)
     # Not Vault.open: that would migrate and scrub, and verify reports instead of fixing.
-    vault = KeyLifecycle(path, keystore)
+    vault = _Checked(path, keystore)
     for _attempt in range(50):
         report = VerifyReport(str(path))
         sealer = report.load_keys(lambda: vault.sealer(refresh=True))
@@ -189,11 +190,20 @@ def verify(
             _items(conn, report, sealer, meta)
             # Not on a damaged file: its indexes may name rows that are not there.
             if sealer and report.authenticated is not None and not report.problems["integrity"]:
-                _chains(conn, report, sealer, meta)
-            return report  # the read transaction ends with the connection (rolled back)
+                from vault.engines.sqlite.chainreport import judge_chains
+
+                judge_chains(conn, report, sealer, meta, vault.keystore)
+        # The read transaction ended with the connection (rolled back). The anchor moves
+        # outside the file, to a vault head only memvault can have written.
+        vault.record_anchor()
+        return report
     raise VaultBusy(
         f"{path} kept changing key while being verified (rotations in a loop?); try again"
     )
+
+
+class _Checked(KeyLifecycle, Anchored):
+    """The file as `verify` opens it: its key, and its anchor."""
 
 
 def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:
@@ -368,33 +378,3 @@ def _items(
         return
     if sealer is not None:
         report.authenticated = authenticated
-
-
-def _chains(
-    conn: sqlite3.Connection, report: VerifyReport, sealer: crypto.Sealer, meta: dict[str, str]
-) -> None:
-    """Every session's rows judged against its head: the first problem of each, by kind."""
-    from vault.engines.sqlite import chainrows, vaulthead
-
-    if meta.get(chainops.CHAIN_META) != chainops.ON and not vaulthead.exists(conn):
-        if backupmark.is_backup(meta):
-            return  # made before the upgrade: it has no chain to judge (SECURITY.md)
-        report.add(
-            "history_chain",
-            "the upgrade has not linked the history yet: any "
-            "command that uses the key (`memvault show SESSION`) links it",
-        )
-        return
-    keys = chainops.keys_for(sealer, meta["vault_id"])
-    for sid in chainrows.judged_sessions(conn):
-        verdict = chainrows.judge(conn, keys, sid, whole_vault=False)
-        if verdict.kind is not None:
-            at = "" if verdict.index is None else f" (its item #{verdict.index + 1})"
-            report.add("history_chain", f"session {sid[:60]!r}: {verdict.kind.value}{at}")
-    kind = vaulthead.verdict(conn, keys)
-    if kind is not None:
-        report.add(
-            "history_chain",
-            f"the vault as a whole: {kind.value} (its sessions do not match its vault head; "
-            "`memvault accept` takes them as they are)",
-        )

@@ -101,10 +101,10 @@ def test_a_whole_file_put_back_is_told_only_by_the_point_kept_outside(busy: Vaul
     heads, vh = busy.history[-2]
     older = chainvault.judge(busy.key, vh, heads)
     assert older is None  # consistent on its own
-    assert chainvault.judge(busy.key, vh, heads, anchor=busy.vh.point()) is Tamper.ROLLED_BACK
+    assert chainvault.judge(busy.key, vh, heads, anchor=busy.vh.point()) is Tamper.FILE_ROLLED_BACK
     # A point at the same seq with another digest: a fork, not the live vault.
     fork = Point(busy.vh.seq, bytes(chain.MAC_BYTES))
-    assert busy.judge(anchor=fork) is Tamper.ROLLED_BACK
+    assert busy.judge(anchor=fork) is Tamper.FILE_ROLLED_BACK
     assert busy.judge(anchor=Point(busy.vh.seq - 1, vh.digest)) is None  # anchor behind
 
 
@@ -142,7 +142,7 @@ def test_a_rotation_sums_the_vault_head_afresh_under_the_new_key(busy: Vault) ->
     assert vh.seq == busy.vh.seq + 1 and vh.kid == new.kid
     # A rollback to before the rotation is behind the point taken after it.
     assert chainvault.judge(busy.key, busy.vh, busy.heads(), anchor=vh.point()) is (
-        Tamper.ROLLED_BACK
+        Tamper.FILE_ROLLED_BACK
     )
     stale = dict(busy.heads())
     del stale["a"]

@@ -317,7 +317,7 @@ def test_a_history_longer_than_the_bound_is_read_right_without_keeping_it_all(
     first, n1 = decrypted_by(decrypts, lambda: read(s))
     second, n2 = decrypted_by(decrypts, lambda: read(s))
     assert first == second == fresh_read(vault_db, "s") and len(first) == 25
-    assert len(s._reads) == 10 and s.underlying_session.memo is None
+    assert len(s._reads) == 10 and s.underlying_session.chain.memo is None
     assert (n1, n2) == (25, 15)
     s.close()
 

@@ -253,12 +253,15 @@ def accept_cmd(yes: bool) -> None:
     The vault head sums every session's head under the key. When `verify` says
     "the vault as a whole: a session put back from an older copy, added or
     removed whole", no single session can be named, and every agent session,
-    `show` and `export` refuse the vault. Restore a backup (`memvault restore`)
-    if you have one; otherwise look at what is there (`show SESSION
-    --include-tampered`) and accept it: the vault head is summed afresh over the
-    sessions as they are, and they are served again. A session whose own head
-    is forged is refused first: `clear SESSION --include-unreadable` deletes it
-    on purpose. Backups are refused: each is judged as it was made.
+    `show` and `export` refuse the vault. When it says "the whole vault put
+    back from an older copy", the file is older than the state memvault
+    recorded in the keyring (a copy put back with `cp`). Restore a backup
+    (`memvault restore`) or put the newer file back if you have one; otherwise
+    look at what is there (`show SESSION --include-tampered`) and accept it: the
+    vault head is summed afresh over the sessions as they are, past the recorded
+    state, which moves to it, and they are served again. A session whose own
+    head is forged is refused first: `clear SESSION --include-unreadable`
+    deletes it on purpose. Backups are refused: each is judged as it was made.
 
     \b
     Exit codes:
@@ -285,7 +288,7 @@ def accept_cmd(yes: bool) -> None:
     def human() -> None:
         say(
             f"accepted {plural(r.sessions, 'session')} of {vault.path} as the vault's state"
-            + ("" if not r.matched else " (they matched it already)")
+            + ("" if not r.matched else " (it was that state already)")
         )
 
     emit({"path": str(vault.path), "sessions": r.sessions, "matched": r.matched}, human)

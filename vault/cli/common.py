@@ -197,7 +197,11 @@ def open_any() -> AnyVault:
     """The vault --db names, a file or a PostgreSQL URL: one type whichever it is."""
     from vault.engines.registry import open_vault
 
-    return open_vault(state().db)
+    vault = open_vault(state().db)
+    # As the command ends, whatever its outcome: a command that opened the key records
+    # the vault's state outside the file (vault.engines.sqlite.anchoring).
+    click.get_current_context().call_on_close(vault.record_anchor)
+    return vault
 
 
 def emit(data: Any, human: Callable[[], None]) -> None:

@@ -54,7 +54,9 @@ def backup(vault: PgVault, dest: str | os.PathLike[str]) -> file_backup.BackupRe
         lambda rec, keep: filecopy.write_new_copy(
             target,
             lambda dest: _copy(vault, dest),
-            file_backup.mark_as_backup(meta["vault_id"], rec.backup_id, str(vault.path)),
+            file_backup.mark_as_backup(
+                meta["vault_id"], rec.backup_id, str(vault.path), vault.sealer
+            ),
             keep,
         ),
     )

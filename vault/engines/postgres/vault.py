@@ -180,6 +180,9 @@ class PgVault(pgkept.PgKeptVersions, ImportsFiles, ReadsItems):
         """None: PostgreSQL's history is not chained yet (docs/history-chain.md)."""
         return None
 
+    def record_anchor(self) -> None:
+        """Nothing: no history chain, so no anchor, on PostgreSQL yet."""
+
     def accept_history(self) -> Accepted:
         raise OperationFailed(
             f"{self.path} keeps no history chain yet (docs/history-chain.md): there is no "

@@ -12,12 +12,16 @@ from __future__ import annotations
 import sqlite3
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from vault import backupmark, chainops, crypto
 from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.db import audit
 from vault.results import Accepted
+
+if TYPE_CHECKING:
+    from vault.chainanchor import Floor
+    from vault.chainvault import Point
 
 
 class _File(Protocol):
@@ -35,15 +39,22 @@ class _File(Protocol):
 
     def check_kid(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> crypto.Sealer: ...
 
+    def anchor_floor(self) -> Floor | None: ...
+
+    def record_anchor(self) -> Point | None: ...
+
 
 def accept_history(vault: _File) -> Accepted:
-    """The vault head summed afresh over the sessions' heads, audited. Refused for a
-    backup (it is judged as it was made) and while a session's own head is forged."""
+    """The vault head summed afresh over the sessions' heads, past the anchor, audited,
+    and the anchor moved to it. Refused for a backup (it is judged as it was made) and
+    while a session's own head is forged."""
     backupmark.refuse_writes(vault, "`memvault accept`")
     sealer = vault.sealer()
+    floor = vault.anchor_floor()
     with vault.write_transaction() as conn:
         sealer = vault.check_kid(conn, sealer)
         key = chainops.key_of(sealer, vault.vault_id)
-        n, matched = vaulthead.accept(conn, key, str(vault.path))
+        n, matched = vaulthead.accept(conn, key, str(vault.path), floor.point if floor else None)
         audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
+    vault.record_anchor()
     return Accepted(n, matched)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from vault import backupmark, paths, retention, targets, testhooks
 from vault.crypto import Sealer
+from vault.engines.sqlite.anchoring import seal_backup
 from vault.engines.sqlite.db import set_meta
 from vault.engines.sqlite.filecopy import Adjust, Copy, vacuum_copy
 from vault.errors import BadInput, KeyProblem, KeyRevoked, OperationFailed, VaultBusy, VaultError
@@ -137,7 +138,9 @@ def backup(vault: KeyLifecycle, dest: str | os.PathLike[str]) -> BackupResult:
     meta = vault.settled_meta()  # a rotation under way or cut off is finished first
     refuse_unbackable(meta, vault.path, "a backup could never be read")
     target = check_destination(dest, vault.path)
-    mark = functools.partial(mark_as_backup, meta["vault_id"], source=str(vault.path))
+    mark = functools.partial(
+        mark_as_backup, meta["vault_id"], source=str(vault.path), sealer=vault.sealer
+    )
     return recorded_backup(
         vault,
         target,
@@ -210,16 +213,23 @@ def recorded_backup(
     )
 
 
-def mark_as_backup(vault_id: str, backup_id: str, source: str) -> Adjust:
+def mark_as_backup(
+    vault_id: str, backup_id: str, source: str, sealer: Callable[[], Sealer] | None = None
+) -> Adjust:
     """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id` (at `source`).
     A pending version's entry the copy's tidy-up would delete (pgbackup never copies one);
-    a copy amid a rotation's batches is refused: its record keeps one of its two keys."""
+    a copy amid a rotation's batches is refused: its record keeps one of its two keys.
+    With the live vault's `sealer`, the copy's vault head is sealed into it
+    (anchoring.seal_backup); a key that cannot be loaded leaves the copy unsealed."""
 
     def adjust(conn: sqlite3.Connection) -> None:
         if conn.execute("SELECT 1 FROM memvault_meta WHERE key = ?", (ROTATING_FROM,)).fetchone():
             raise VaultBusy("a key rotation began during the backup; run `memvault backup` again")
         conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
         set_meta(conn, **backupmark.new_mark(vault_id, backup_id, source))
+        if sealer is not None:
+            with contextlib.suppress(KeyProblem):
+                seal_backup(conn, sealer(), vault_id, backup_id)
 
     return adjust
 

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from vault import chain, chainops, crypto
 from vault.chain import ChainKey, Head
+from vault.chainanchor import Floor
 from vault.chaincheck import Verdict, check, check_tail
 from vault.chainops import BUILDING, ON
 from vault.chainops import key_of as key_of  # for the engine's callers: one import
@@ -154,10 +155,11 @@ def judge(
     session_id: str,
     limit: int | None = None,
     whole_vault: bool = True,
+    floor: Floor | None = None,
 ) -> Verdict:
     """The session's verdict in the caller's snapshot: every row, or the newest `limit`;
     then, unless `whole_vault` is False (verify judges it once), whether the vault head
-    still sums this session's head with the others'."""
+    still sums this session's head with the others' and is not behind `floor`."""
     if not chained(conn):
         return Verdict()
     head = Head.decode(read_head(conn, session_id))
@@ -167,13 +169,18 @@ def judge(
     else:
         verdict = check_tail(keys, session_id, rows, head, limit)
     if verdict.ok and whole_vault:
-        return Verdict(vaulthead.verdict(conn, keys))
+        return Verdict(vaulthead.verdict(conn, keys, floor))
     return verdict
 
 
-def verdict(conn: sqlite3.Connection, keys: Mapping[str, ChainKey], session_id: str) -> str | None:
+def verdict(
+    conn: sqlite3.Connection,
+    keys: Mapping[str, ChainKey],
+    session_id: str,
+    floor: Floor | None = None,
+) -> str | None:
     """`judge`'s kind as text, or None: the session verifies."""
-    kind = judge(conn, keys, session_id).kind
+    kind = judge(conn, keys, session_id, floor=floor).kind
     return None if kind is None else kind.value
 
 

@@ -14,6 +14,7 @@ from cryptography.fernet import InvalidToken
 
 from vault import chainops
 from vault.chain import ChainKey, Head, Link
+from vault.chainanchor import Floor
 from vault.chaincheck import Tamper, check, check_tail
 from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.chainrows import after_pop, append, read_head, session_rows
@@ -105,7 +106,34 @@ class Memo:
     envelopes: list[Any]
 
 
+@dataclass
+class SessionChain:
+    """What an open session's chain calls need of it. `keys_of(file_kid)`: its chain
+    keys when it holds the file's key (after reloading it, where a read may), else None;
+    `key()`: its own (a write's); `memo`: its read cache's part (vault.readcache), at
+    most `keep()` items (0: none); `was_chained`: the file was chained at open, and
+    stays so; `floor`: the vault's anchor as this process knows it (None: no anchor)."""
+
+    keys_of: KeysOf = lambda _kid: None
+    key: Callable[[], ChainKey | None] = lambda: None
+    memo: Memo | None = None
+    keep: Callable[[], int] = lambda: 0
+    was_chained: bool = False
+    floor: Floor | None = None
+
+
 def read_items(
+    conn: sqlite3.Connection, session_id: str, limit: int | None, chain: SessionChain, where: str
+) -> list[Any]:
+    """`read` with the session's chain state, whose memo it moves on."""
+    items, chain.memo = read(
+        conn, session_id, limit, chain.keys_of, where,
+        chain.memo, chain.keep(), chain.was_chained, chain.floor,
+    )  # fmt: skip
+    return items
+
+
+def read(
     conn: sqlite3.Connection,
     session_id: str,
     limit: int | None,
@@ -114,6 +142,7 @@ def read_items(
     memo: Memo | None = None,
     keep: int = 0,
     was_chained: bool = False,
+    floor: Floor | None = None,
 ) -> tuple[list[Any], Memo | None]:
     """The SDK's `get_items`: the session's rows (all, or the newest `limit`, as the SDK
     takes it), oldest first, decoded, read in one snapshot with the head and judged
@@ -126,7 +155,8 @@ def read_items(
 
     `was_chained`: the file was chained when the session opened it. Nothing unchains a
     file, so one that says it is unchained now was rewritten or put back under the
-    session (`cp` keeps the inode), and its rows are not served unverified."""
+    session (`cp` keeps the inode), and its rows are not served unverified. `floor`:
+    the vault's anchor as the session knows it (vault.engines.sqlite.anchoring)."""
     if limit is not None and limit <= 0:
         limit = None if limit < 0 else 0  # the SDK's: a negative limit is no limit
     if limit == 0:
@@ -141,7 +171,7 @@ def read_items(
                 raise chainops.tampered(session_id, Tamper.ROLLED_BACK, where)
             return _decoded(session_rows(conn, session_id, limit)), None
         stored = read_head(conn, session_id)
-        chainops.refuse_kind(vaulthead.verdict(conn, keys), session_id, where)
+        chainops.refuse_kind(vaulthead.verdict(conn, keys, floor), session_id, where)
         head = Head.decode(stored)
         if memo is not None and keep and stored is not None and head is not None:
             memo = _caught_up(conn, keys, session_id, stored, head, memo, keep)

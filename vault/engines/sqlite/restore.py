@@ -44,6 +44,7 @@ from vault import (
     targets,
     testhooks,
 )
+from vault.engines.sqlite.anchoring import past_the_anchor
 from vault.engines.sqlite.backup import refuse_unbackable
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
@@ -64,7 +65,7 @@ from vault.engines.sqlite.restorestate import (
     state_names,
 )
 from vault.engines.sqlite.vault import Vault
-from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
+from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy, VaultError
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
 from vault.keys import KeyStore
 from vault.keysource.store import WRAPPED, is_transit, same_source
@@ -241,6 +242,11 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
         # On purpose: the vault is put back to a state before its history was chained,
         # so its anchor no longer holds (the next open links the rows as restored).
         chainanchor.forget(KeyStore(), plan.vault_id)
+    else:  # the anchor moves to the restored state, which `lift` put past it
+        restored = Vault(live)
+        with contextlib.suppress(VaultError):
+            restored.sealer()
+        restored.record_anchor()
     return {**plan.as_dict(), "restored": True}
 
 
@@ -313,11 +319,13 @@ def _copy(
     vault), and the replaced vault's records of its backups (so the versions those
     backups use stay retained), the restore audited."""
     replaced_kid = replaced_meta["kid"] if replaced_meta else None
+    lift = None if plan.unchained else past_the_anchor(Vault(src), plan.path)
 
     kept = RETAINED
 
     def adjust(conn: sqlite3.Connection) -> None:
-        conn.execute("DELETE FROM memvault_meta WHERE key IN (?, ?, ?, ?)", backupmark.MARK)
+        marks = ", ".join("?" * len(backupmark.MARK))
+        conn.execute(f"DELETE FROM memvault_meta WHERE key IN ({marks})", backupmark.MARK)
         known = {v.kid: v.state for v in keyjournal.versions(conn)}
         for v in replaced:
             if v.kid in known and known[v.kid] in (PENDING, RETIRED) and v.state != PENDING:
@@ -337,6 +345,8 @@ def _copy(
         set_meta(conn, scrub_pending="0")
         details = plan.audited(items=plan.items, replaced_kid=replaced_kid)
         audit(conn, "restore", plan.kid, **details)
+        if lift is not None:
+            lift(conn)
 
     try:
         vacuum_copy(Vault(src), new, adjust, "restore")

@@ -71,6 +71,7 @@ from vault.engines.sqlite.schema import GUARD_MESSAGE
 from vault.engines.sqlite.sdkerrors import also_sqlite, sdk_error, undecodable_rows_as_none
 from vault.errors import UnknownSession, VaultError
 from vault.readcache import CachedReads
+from vault.sessionanchor import AnchorClock
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -102,12 +103,7 @@ class VaultSQLiteSession(SQLiteSession):
         self.on_change: Callable[[sqlite3.Connection], None] | None = None  # file changed
         self._versions: dict[sqlite3.Connection, int] = {}
         self.deleted = False  # set by a pop that removed a row, for the scrub
-        # The chain keys for the file's kid (VaultSession._chain_keys); None: stale key.
-        self.chain_keys: chainsession.KeysOf = lambda _kid: None
-        self.chain_key: Callable[[], Any] = lambda: None  # the session's own (a write's)
-        self.memo: chainsession.Memo | None = None  # the read cache's part (vault.readcache)
-        self.keep: Callable[[], int] = lambda: 0  # the most items the memo holds; 0: none
-        self.was_chained = False  # the file was chained at open: it stays so (chainsession)
+        self.chain = chainsession.SessionChain()  # set by VaultSession
         super().__init__(session_id, db_path, session_settings=session_settings)
 
     @staticmethod
@@ -171,8 +167,8 @@ class VaultSQLiteSession(SQLiteSession):
 
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
-        key, where = self.chain_key(), str(self._vault_path)
-        chainsession.insert_items(conn, self.session_id, texts, key, where)
+        key, where = self.chain.key(), str(self._vault_path)
+        chainsession.insert_items(conn, self.session_id, texts, key, where)  # type: ignore[arg-type]
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         # The SDK's read, its rows judged with their head in the same snapshot first.
@@ -182,11 +178,8 @@ class VaultSQLiteSession(SQLiteSession):
     def _read_checked(self, wanted: int | None) -> list[Any]:
         with self._locked_connection() as conn:
             try:
-                items, self.memo = chainsession.read_items(
-                    conn, self.session_id, wanted, self.chain_keys, str(self._vault_path),
-                    self.memo, self.keep(), self.was_chained,
-                )  # fmt: skip
-                return items
+                where = str(self._vault_path)
+                return chainsession.read_items(conn, self.session_id, wanted, self.chain, where)
             except sqlite3.Error as exc:
                 raise sdk_error(exc, self._vault_path) from exc
 
@@ -196,7 +189,7 @@ class VaultSQLiteSession(SQLiteSession):
         def pop() -> Any:
             with self._write_connection() as conn:
                 item = chainsession.pop_newest(
-                    conn, self.session_id, validate, self.chain_keys, str(self._vault_path)
+                    conn, self.session_id, validate, self.chain.keys_of, str(self._vault_path)
                 )
                 conn.commit()
                 return item
@@ -207,7 +200,7 @@ class VaultSQLiteSession(SQLiteSession):
         return item
 
 
-class VaultSession(CachedReads, EncryptedSession):
+class VaultSession(AnchorClock, CachedReads, EncryptedSession):
     """EncryptedSession that writes the vault's key id and survives rotations.
 
     After another process rotates, the next write is refused by the file's
@@ -224,7 +217,7 @@ class VaultSession(CachedReads, EncryptedSession):
         session_settings: SessionSettings | dict[str, Any] | None = None,
     ) -> None:
         sealer = vault.sealer()
-        self._vault = vault
+        self._vault: Vault = vault
         # Read once: a restore puts a new file at the path, which this session refuses.
         meta = vault.meta()
         self._backup_meta = meta if is_backup(meta) else None
@@ -233,10 +226,13 @@ class VaultSession(CachedReads, EncryptedSession):
         underlying = VaultSQLiteSession(session_id, vault.path, session_settings)
         self._start(session_id, underlying, sealer, vault.ttl)
         underlying.on_change = self._on_change
-        underlying.chain_keys = self._chain_keys
-        underlying.chain_key = lambda: chainops.key_of(self._sealer, self._vault_id)
-        underlying.keep = lambda: readcache.MAX_ITEMS if self.read_cache else 0
-        underlying.was_chained = meta.get(chainops.CHAIN_META) == chainops.ON
+        underlying.chain = chainsession.SessionChain(
+            keys_of=self._chain_keys,
+            key=lambda: chainops.key_of(self._sealer, self._vault_id),
+            keep=lambda: readcache.MAX_ITEMS if self.read_cache else 0,
+            was_chained=meta.get(chainops.CHAIN_META) == chainops.ON,
+            floor=vault.anchor_floor(),
+        )
 
     def _start(self, session_id: str, underlying: Any, sealer: Any, ttl: int | None) -> None:
         """EncryptedSession over `underlying` under the current key (both engines)."""
@@ -278,15 +274,12 @@ class VaultSession(CachedReads, EncryptedSession):
             return None
         return chainops.keys_for(self._sealer, self._vault_id)
 
-    def _file_kid(self) -> str:
-        return self._vault.meta()["kid"]
-
     def _open_envelope(self, item: Any) -> Any:
         if (
             isinstance(item, dict)
             and item.get("__enc__") == 1
             and item.get("kid") != self._kid
-            and self._file_kid() != self._kid
+            and self._vault.meta()["kid"] != self._kid
         ):
             self._refresh()
         kid = item.get("kid") if isinstance(item, dict) and item.get("__enc__") == 1 else None
@@ -331,7 +324,7 @@ class VaultSession(CachedReads, EncryptedSession):
             sealed_with = self._kid
             try:
                 await super().add_items(items, wrapper=wrapper)
-                return
+                return await self._wrote()
             except sqlite3.IntegrityError as exc:
                 # The triggers refused our key id: another process rotated. Reseal and retry
                 # (the key may already have been reloaded while the items were being stored).
@@ -355,7 +348,9 @@ class VaultSession(CachedReads, EncryptedSession):
         try:
             while True:
                 try:
-                    return await super().pop_item(wrapper=wrapper)
+                    item = await super().pop_item(wrapper=wrapper)
+                    await self._wrote()
+                    return item
                 except InvalidToken:
                     # Nothing was removed (the SDK authenticates inside the transaction).
                     if not await asyncio.to_thread(self._refresh):
@@ -375,6 +370,7 @@ class VaultSession(CachedReads, EncryptedSession):
         self.forget_reads()
         try:
             await asyncio.to_thread(self._vault.clear, self.session_id)
+            await self._wrote()
         except UnknownSession:
             return  # nothing stored under this id: already empty, as the SDK treats it
         except VaultError as exc:
@@ -397,4 +393,5 @@ class VaultSession(CachedReads, EncryptedSession):
 
     def close(self) -> None:
         self.forget_reads()
+        self._anchor_at_close()
         self.underlying_session.close()  # type: ignore[attr-defined]

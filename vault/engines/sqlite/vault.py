@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from vault import backupmark, crypto, paths, testhooks
 from vault.engines.sqlite import restorestate
+from vault.engines.sqlite.anchoring import Anchored
 from vault.engines.sqlite.counts import count_sessions, file_status
 from vault.engines.sqlite.db import (
     audit,
@@ -68,18 +69,8 @@ from vault.vaultops import (
 )
 
 # The library's entry points; the others stay importable from here, as they were before.
-__all__ = [
-    "DEFAULT_TTL",
-    "Cleared",
-    "Popped",
-    "Progress",
-    "Report",
-    "SessionInfo",
-    "Vault",
-    "lock_timeout",
-    "shred",
-    "shred_target",
-]
+__all__ = ["DEFAULT_TTL", "Cleared", "Popped", "Progress", "Report", "SessionInfo", "Vault"]
+__all__ += ["lock_timeout", "shred", "shred_target"]
 
 if TYPE_CHECKING:
     from vault.engines.sqlite.backup import BackupResult
@@ -89,7 +80,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
+class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
     """The library object behind every command. Open with `Vault.open` or `Vault.init`.
 
     Its key (sealer, rotate, revoke) comes from `KeyLifecycle`; its connections,
@@ -155,7 +146,8 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
 
         def read(conn: sqlite3.Connection, sealer: crypto.Sealer, _ttl: int | None) -> str | None:
             self._require_session(conn, session_id)
-            return chainrows.verdict(conn, chainrows.keys_for(sealer, self.vault_id), session_id)
+            keys = chainrows.keys_for(sealer, self.vault_id)
+            return chainrows.verdict(conn, keys, session_id, self.anchor_floor())
 
         return self._snapshot(read)
 
@@ -248,9 +240,8 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
             self._require_session(conn, session_id)
             if not include_tampered:
                 keys = chainrows.keys_for(sealer, self.vault_id)
-                chainrows.refuse(
-                    chainrows.judge(conn, keys, session_id, limit), session_id, str(self.path)
-                )
+                verdict = chainrows.judge(conn, keys, session_id, limit, floor=self.anchor_floor())
+                chainrows.refuse(verdict, session_id, str(self.path))
             sql = f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id DESC"
             args: tuple[Any, ...] = (session_id,)
             if limit is not None:

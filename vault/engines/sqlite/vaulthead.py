@@ -18,9 +18,10 @@ from collections.abc import Mapping
 
 from vault import chainops, chainvault
 from vault.chain import ChainKey, Head, head_ok
+from vault.chainanchor import Floor
 from vault.chaincheck import Tamper
 from vault.chainops import CHAIN_META, ON
-from vault.chainvault import VaultHead
+from vault.chainvault import Point, VaultHead
 from vault.engines.sqlite.db import set_meta
 from vault.engines.sqlite.schema import GUARD_MESSAGE, session_exists_sql
 from vault.errors import HistoryTampered
@@ -142,8 +143,11 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
         _write(conn, moved)
 
 
-def verdict(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> Tamper | None:
-    """Whether the vault head matches every head of the file, in the caller's snapshot.
+def verdict(
+    conn: sqlite3.Connection, keys: Mapping[str, ChainKey], floor: Floor | None = None
+) -> Tamper | None:
+    """Whether the vault head matches every head of the file, in the caller's snapshot,
+    and is not older than `floor` (the anchor, as the process knows it; None: no anchor).
     Asked of a chained file only (`chained`: each caller has just read it)."""
     text = _stored(conn)
     vh = VaultHead.decode(text)
@@ -151,26 +155,40 @@ def verdict(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> Tamper | 
     if text is None or vh is None or key is None:
         return Tamper.VAULT_MISMATCH
     heads = stored_heads(conn)
-    if _VOUCHED.get((key.vault_id, text)) == heads:
-        return None
-    if not chainvault.matches(key, vh, _decoded(heads)):
-        return Tamper.VAULT_MISMATCH
-    if len(_VOUCHED) >= _VOUCHED_MAX:
-        _VOUCHED.clear()
-    _VOUCHED[(key.vault_id, text)] = heads
+    if _VOUCHED.get((key.vault_id, text)) != heads:
+        if not chainvault.matches(key, vh, _decoded(heads)):
+            return Tamper.VAULT_MISMATCH
+        if len(_VOUCHED) >= _VOUCHED_MAX:
+            _VOUCHED.clear()
+        _VOUCHED[(key.vault_id, text)] = heads
+    if floor is not None and not floor.passes(vh.point()):
+        return Tamper.FILE_ROLLED_BACK
     return None
+
+
+def authentic(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> VaultHead | None:
+    """The file's vault head, if it authenticates under `keys`: a state memvault wrote,
+    whatever the file holds now (what the anchor and a backup's seal record)."""
+    vh = VaultHead.decode(_stored(conn))
+    key = None if vh is None else keys.get(vh.kid)
+    if vh is None or key is None or not chainvault.vault_head_ok(key, vh):
+        return None
+    return vh
 
 
 def _listed(conn: sqlite3.Connection, session_id: str) -> bool:
     return conn.execute(session_exists_sql("?"), (session_id, session_id)).fetchone() is not None
 
 
-def accept(conn: sqlite3.Connection, key: ChainKey, where: str) -> tuple[int, bool]:
+def accept(
+    conn: sqlite3.Connection, key: ChainKey, where: str, anchor: Point | None = None
+) -> tuple[int, bool]:
     """The vault head summed afresh over the heads as they stand, on purpose: the way to
-    take a vault whose sessions no longer match it as it is. Refused while a session's
-    own head does not authenticate (that session's check names it; `clear
-    --include-unreadable` deletes it on purpose). Returns the number of sessions and
-    whether the stored vault head matched them already."""
+    take as it is a vault whose sessions no longer match it, or a file older than its
+    `anchor` (the new vault head goes past it). Refused while a session's own head does
+    not authenticate (that session's check names it; `clear --include-unreadable`
+    deletes it on purpose). Returns the number of sessions and whether the stored vault
+    head matched them already, not behind the anchor."""
     heads = stored_heads(conn)
     decoded = _decoded(heads)
     for sid in heads:
@@ -192,5 +210,8 @@ def accept(conn: sqlite3.Connection, key: ChainKey, where: str) -> tuple[int, bo
     vh = VaultHead.decode(_stored(conn))
     conn.execute(_TABLE_SQL)
     matched = vh is not None and chainvault.matches(key, vh, decoded)
-    _write(conn, chainvault.accepted(key, vh, decoded))
+    if vh is not None and anchor is not None and chainvault.behind(vh.point(), anchor):
+        matched = False
+    past = 0 if anchor is None else anchor.seq
+    _write(conn, chainvault.accepted(key, vh, decoded, past))
     return len(heads), matched
