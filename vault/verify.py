@@ -20,7 +20,7 @@ import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from vault import crypto, paths
 from vault.engines.sqlite.anchoring import Anchored
@@ -42,6 +42,9 @@ from vault.engines.sqlite.schema import (
 )
 from vault.errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultError
 from vault.keys import KeyStore
+
+if TYPE_CHECKING:
+    from vault.chainanchor import Floor
 
 T = TypeVar("T")
 
@@ -179,6 +182,8 @@ def verify(
     for _attempt in range(50):
         report = VerifyReport(str(path))
         sealer = report.load_keys(lambda: vault.sealer(refresh=True))
+        # The anchor before the snapshot: one recorded meanwhile is never newer than it.
+        floor = None if sealer is None else _floor(vault, sealer)
         with vault.connection() as conn:
             conn.execute("BEGIN")  # one snapshot: meta, kid and rows agree
             meta = _meta(conn, report)
@@ -192,7 +197,7 @@ def verify(
             if sealer and report.authenticated is not None and not report.problems["integrity"]:
                 from vault.engines.sqlite.chainreport import judge_chains
 
-                judge_chains(conn, report, sealer, meta, vault.keystore)
+                judge_chains(conn, report, sealer, meta, floor)
         # The read transaction ended with the connection (rolled back). The anchor moves
         # outside the file, to a vault head only memvault can have written.
         vault.record_anchor()
@@ -204,6 +209,15 @@ def verify(
 
 class _Checked(KeyLifecycle, Anchored):
     """The file as `verify` opens it: its key, and its anchor."""
+
+
+def _floor(vault: _Checked, sealer: crypto.Sealer) -> Floor | None:
+    from vault.engines.sqlite.anchoring import floor_for
+
+    try:
+        return floor_for(vault.meta(), sealer, vault.keystore)
+    except VaultError:
+        return None  # the meta unreadable: reported by the checks that follow
 
 
 def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:

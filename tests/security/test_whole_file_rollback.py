@@ -288,3 +288,30 @@ def test_a_backup_is_judged_by_its_own_state_and_restore_moves_the_anchor(
     assert read_in_a_new_process(vault_db) == {"items": 2}
     add_items(vault_db, "s", [user("after the restore")])
     assert run_cli("verify").code == 0
+
+
+def test_a_write_to_a_file_put_back_is_refused_so_the_rollback_is_never_lost(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+    older = copy_of(vault_db, tmp_path / "older.db")
+    for i in range(3):
+        add_items(vault_db, "s", [user(f"later {i}")])
+    put_back(older, vault_db)
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db)
+        try:
+            for i in range(5):  # more writes than the rollback took away
+                with pytest.raises(HistoryTampered) as caught:
+                    await s.add_items([user(f"on the older file {i}")])
+                assert caught.value.kind == ROLLED_BACK
+        finally:
+            s.close()
+
+    asyncio.run(go())
+    r = run_cli("--json", "verify")
+    assert r.code == 1 and ROLLED_BACK in r.json()["details"]["history_chain"][0], r
+    assert read_in_a_new_process(vault_db) == {"tampered": ROLLED_BACK, "session": "s"}

@@ -53,6 +53,7 @@ def floor_for(meta: dict[str, str], sealer: crypto.Sealer, ks: KeyStore) -> Floo
     """The floor of a file whose meta is `meta`: its own sealed point for a backup, the
     keyring's anchor for a live keyring vault, None for a transit vault (no anchor yet)."""
     from vault import chainanchor
+    from vault.chainanchor import Floor
 
     if backupmark.is_backup(meta):
         return backup_floor(meta, sealer)
@@ -117,8 +118,10 @@ class Anchored:
                 vh = vaulthead.authentic(conn, keys)
             if vh is None:
                 return None
-            held = chainanchor.advance(store, meta["vault_id"], vh.point())
             floor = self.anchor_floor()
+            if floor is not None and not floor.passes(vh.point()):
+                return None  # a file behind what was seen of it: never recorded as newer
+            held = chainanchor.advance(store, meta["vault_id"], vh.point())
             if floor is not None:
                 floor.passes(held)  # raised: this process has seen the file get there
             return held

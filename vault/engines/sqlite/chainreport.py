@@ -1,7 +1,7 @@
 """`verify`'s history-chain check of a vault file (vault.verify): every session's rows
 judged against its head, then the vault head against every head and against the
-anchor (vault.engines.sqlite.anchoring). Read-only: a file the upgrade has not linked
-yet is reported, never linked here."""
+floor the caller read before its snapshot (vault.engines.sqlite.anchoring).
+Read-only: a file the upgrade has not linked yet is reported, never linked here."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Protocol
 from vault import backupmark, chainops, crypto
 from vault.chaincheck import Tamper
 from vault.engines.sqlite import chainrows, vaulthead
-from vault.engines.sqlite.anchoring import floor_for
 
 if TYPE_CHECKING:
-    from vault.keys import KeyStore
+    from vault.chainanchor import Floor
 
 
 class Report(Protocol):
@@ -37,7 +36,7 @@ def judge_chains(
     report: Report,
     sealer: crypto.Sealer,
     meta: dict[str, str],
-    ks: KeyStore,
+    floor: Floor | None,
 ) -> None:
     """The first problem of each session, by kind, then the vault's as a whole."""
     backup = backupmark.is_backup(meta)
@@ -56,6 +55,6 @@ def judge_chains(
         if verdict.kind is not None:
             at = "" if verdict.index is None else f" (its item #{verdict.index + 1})"
             report.add("history_chain", f"session {sid[:60]!r}: {verdict.kind.value}{at}")
-    kind = vaulthead.verdict(conn, keys, floor_for(meta, sealer, ks))
+    kind = vaulthead.verdict(conn, keys, floor)
     if kind is not None:
         report.add("history_chain", f"the vault as a whole: {kind.value} ({_why(kind, backup)})")

@@ -28,7 +28,12 @@ KeysOf = Callable[[str], "dict[str, ChainKey] | None"]
 
 
 def insert_items(
-    conn: sqlite3.Connection, session_id: str, texts: Sequence[str], key: ChainKey, where: str
+    conn: sqlite3.Connection,
+    session_id: str,
+    texts: Sequence[str],
+    key: ChainKey,
+    where: str,
+    floor: Floor | None = None,
 ) -> None:
     """The SDK's insert of a session's new items, each with its link, the head moved in
     the same transaction. `key` is the session's, unchecked (a write reads no meta): a
@@ -45,6 +50,8 @@ def insert_items(
     if head is None and chained(conn) and _has_rows(conn, session_id):
         # Rows with no head: the head was deleted. A new chain here would hide that.
         raise chainops.tampered(session_id, "unauthenticated", where)
+    if floor is not None:
+        vaulthead.refuse_behind(conn, key, floor, session_id, where)
     links = append(conn, key, session_id, texts, where)
     conn.executemany(
         f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, chain) VALUES (?, ?, ?)",

@@ -168,7 +168,7 @@ class VaultSQLiteSession(SQLiteSession):
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
         key, where = self.chain.key(), str(self._vault_path)
-        chainsession.insert_items(conn, self.session_id, texts, key, where)  # type: ignore[arg-type]
+        chainsession.insert_items(conn, self.session_id, texts, key, where, self.chain.floor)  # type: ignore[arg-type]
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         # The SDK's read, its rows judged with their head in the same snapshot first.

@@ -144,10 +144,12 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
         """What is wrong with the session's chain (a `Tamper` kind's text), or None."""
         from vault.engines.sqlite import chainrows  # here: most commands never need it
 
+        floor = self.anchor_floor()  # before the snapshot: never newer than what it reads
+
         def read(conn: sqlite3.Connection, sealer: crypto.Sealer, _ttl: int | None) -> str | None:
             self._require_session(conn, session_id)
             keys = chainrows.keys_for(sealer, self.vault_id)
-            return chainrows.verdict(conn, keys, session_id, self.anchor_floor())
+            return chainrows.verdict(conn, keys, session_id, floor)
 
         return self._snapshot(read)
 
@@ -233,6 +235,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
         from vault.engines.sqlite import chainrows  # here: most commands never need it
 
         check_limit(limit)
+        floor = None if include_tampered else self.anchor_floor()  # before the snapshot
 
         def read(
             conn: sqlite3.Connection, sealer: crypto.Sealer, ttl: int | None
@@ -240,7 +243,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
             self._require_session(conn, session_id)
             if not include_tampered:
                 keys = chainrows.keys_for(sealer, self.vault_id)
-                verdict = chainrows.judge(conn, keys, session_id, limit, floor=self.anchor_floor())
+                verdict = chainrows.judge(conn, keys, session_id, limit, floor=floor)
                 chainrows.refuse(verdict, session_id, str(self.path))
             sql = f"SELECT message_data FROM {MESSAGES_TABLE} WHERE session_id = ? ORDER BY id DESC"
             args: tuple[Any, ...] = (session_id,)

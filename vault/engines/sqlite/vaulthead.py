@@ -166,6 +166,16 @@ def verdict(
     return None
 
 
+def refuse_behind(
+    conn: sqlite3.Connection, key: ChainKey, floor: Floor, session_id: str, where: str
+) -> None:
+    """Before a write: refuse a file whose vault head is behind `floor`. Written to, it
+    would move on from the older state, past the anchor, and the rollback would be lost."""
+    vh = authentic(conn, {key.kid: key})
+    if vh is not None and not floor.passes(vh.point()):
+        raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
+
+
 def authentic(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> VaultHead | None:
     """The file's vault head, if it authenticates under `keys`: a state memvault wrote,
     whatever the file holds now (what the anchor and a backup's seal record)."""
