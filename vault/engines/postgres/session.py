@@ -153,7 +153,7 @@ class PgVaultSession(VaultSession):
             # The old key once loaded: no round trip per row of a long history.
             other = vault.cached_sealer(kid)
             if other is None:
-                if self._file_kid() != self._kid:
+                if vault.meta()["kid"] != self._kid:
                     self._refresh()
                 other = vault.sealer_for_kid(kid) if kid != self._kid else None
             if other is not None:

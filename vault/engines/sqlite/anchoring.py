@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from vault import backupmark
 from vault.engines.sqlite.db import read_meta, set_meta
 from vault.errors import VaultError
-from vault.keysource.store import anchor_store
+from vault.keysource.store import anchor_store, is_transit
 
 # The chain's modules are imported where used: every command loads this one (a base of
 # `Vault`), few judge or record a vault head.
@@ -112,7 +112,13 @@ class Anchored:
             if store is None:
                 return None
             with self._snapshot_meta() as (conn, meta):
-                if backupmark.is_backup(meta) or {"revoked_at", "shred_started"} & set(meta):
+                # The file's own key source, read now: a `key move` to transit may have
+                # run since this object chose its store (the anchor goes with the move).
+                if (
+                    backupmark.is_backup(meta)
+                    or is_transit(meta)
+                    or {"revoked_at", "shred_started"} & set(meta)
+                ):
                     return None
                 keys = chainops.keys_for(self._sealer, meta["vault_id"])
                 vh = vaulthead.authentic(conn, keys)
