@@ -342,12 +342,18 @@ def keyring_items() -> list[tuple[dict[str, str], str]]:
 
     conn = connect()
     try:
-        out = []
-        for coll in secretstorage.get_all_collections(conn):
-            assert not coll.is_locked(), "a locked collection cannot be listed"
-            for item in coll.get_all_items():
-                out.append((item.get_attributes(), item.get_secret().decode("utf-8", "replace")))
-        return out
+        for _attempt in range(20):
+            out = []
+            try:
+                for coll in secretstorage.get_all_collections(conn):
+                    assert not coll.is_locked(), "a locked collection cannot be listed"
+                    for item in coll.get_all_items():
+                        secret = item.get_secret().decode("utf-8", "replace")
+                        out.append((item.get_attributes(), secret))
+            except secretstorage.exceptions.ItemNotFoundException:
+                continue  # deleted while listed, by a test sharing the daemon: list again
+            return out
+        raise AssertionError("the keyring's items kept changing while listed")
     finally:
         conn.close()
 

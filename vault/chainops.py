@@ -56,9 +56,14 @@ def tampered(session_id: str, kind: Tamper | str, where: str) -> HistoryTampered
             what,
         )
     if kind is Tamper.FILE_ROLLED_BACK:
+        spared = (
+            f"session {session_id!r} was not read or changed"
+            if session_id
+            else "nothing was changed"
+        )
         return HistoryTampered(
             f"{where} is older than the state memvault recorded of it outside the file "
-            f"({what}), so session {session_id!r} was not read or changed; put the "
+            f"({what}), so {spared}; put the "
             "newer file back, restore a backup with `memvault restore`, or take this one "
             "as it is with `memvault accept`",
             session_id,

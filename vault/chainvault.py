@@ -41,8 +41,8 @@ VAULT_HEAD_VERSION = "v1"
 FIRST_SEQ = 1
 _TERM_DOMAIN = b"memvault chain vault term v1"
 _VAULT_HEAD_DOMAIN = b"memvault chain vault head v1"
-_BACKUP_DOMAIN = b"memvault chain backup point v1"
-BACKUP_POINT_VERSION = "b1"
+_BACKUP_DOMAIN = b"memvault chain backup point v2"
+BACKUP_POINT_VERSION = "b2"
 ZERO = bytes(MAC_BYTES)
 
 
@@ -185,18 +185,21 @@ def behind(point: Point, anchor: Point) -> bool:
     )
 
 
-def seal_backup(key: ChainKey, backup_id: str, point: Point) -> str:
+def seal_backup(key: ChainKey, backup_id: str, source: str, point: Point) -> str:
     """The text a backup keeps of its own vault head (`backup_point` in its meta): the
-    point, MACed with the backup's id, so that no one without the key can mark an older
-    copy of the live file as a backup of its own state."""
-    data = fields(_BACKUP_DOMAIN, utf8(key.vault_id), utf8(key.kid), utf8(backup_id))
+    point, MACed with the backup's id and the live vault's place (`source`), so that no
+    one without the key can mark an older copy of the live file as a backup of its own
+    state, nor unmark the copy's place to pass it off there as a backup."""
+    data = fields(_BACKUP_DOMAIN, utf8(key.vault_id), utf8(key.kid), utf8(backup_id), utf8(source))
     mac = key.mac(data + fields(num(point.seq), point.digest))
     return ".".join(
         [BACKUP_POINT_VERSION, key.kid, str(point.seq), hex_text(point.digest), hex_text(mac)]
     )
 
 
-def backup_point(keys: Mapping[str, ChainKey], backup_id: str, text: str) -> Point | None:
+def backup_point(
+    keys: Mapping[str, ChainKey], backup_id: str, source: str, text: str
+) -> Point | None:
     """The point a backup's `backup_point` seals, or None when it does not authenticate
     under `keys` (or is not one)."""
     parts = text.split(".")
@@ -208,5 +211,5 @@ def backup_point(keys: Mapping[str, ChainKey], backup_id: str, text: str) -> Poi
         return None
     if len(point.digest) != MAC_BYTES:
         return None
-    sealed = seal_backup(keys[parts[1]], backup_id, point)
+    sealed = seal_backup(keys[parts[1]], backup_id, source, point)
     return point if _hmac.compare_digest(sealed.encode(), text.encode()) else None

@@ -366,7 +366,7 @@ class Importer:
         source_digest = hashlib.sha256()
         count = 0
         with vault.write_transaction() as conn:
-            sealer = vault.check_kid(conn, sealer)
+            sealer = vault.check_writable(conn, sealer, sid)
             if conn.execute(
                 session_exists_sql("?"),
                 (sid, sid),

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from vault import crypto, paths
-from vault.engines.sqlite.anchoring import Anchored
 from vault.engines.sqlite.db import (
     check_header,
     is_damage,
@@ -178,7 +177,7 @@ def verify(
     check_header(path)  # exit 3 for nothing or not SQLite; a truncated file is VaultCorrupt
     refuse_odd_side_files(path)
     # Not Vault.open: that would migrate and scrub, and verify reports instead of fixing.
-    vault = _Checked(path, keystore)
+    vault = KeyLifecycle(path, keystore)
     for _attempt in range(50):
         report = VerifyReport(str(path))
         sealer = report.load_keys(lambda: vault.sealer(refresh=True))
@@ -207,15 +206,11 @@ def verify(
     )
 
 
-class _Checked(KeyLifecycle, Anchored):
-    """The file as `verify` opens it: its key, and its anchor."""
-
-
-def _floor(vault: _Checked, sealer: crypto.Sealer) -> Floor | None:
+def _floor(vault: KeyLifecycle, sealer: crypto.Sealer) -> Floor | None:
     from vault.engines.sqlite.anchoring import floor_for
 
     try:
-        return floor_for(vault.meta(), sealer, vault.keystore)
+        return floor_for(vault.meta(), sealer, vault.keystore, vault.path)
     except VaultError:
         return None  # the meta unreadable: reported by the checks that follow
 

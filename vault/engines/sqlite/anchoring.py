@@ -12,9 +12,10 @@ every `anchor_every` seconds while it writes. Docs: docs/history-chain.md, "The 
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from vault import backupmark
 from vault.engines.sqlite.db import read_meta, set_meta
@@ -34,8 +35,10 @@ if TYPE_CHECKING:
 
 
 def backup_floor(meta: dict[str, str], sealer: crypto.Sealer) -> Floor | None:
-    """A backup's floor: the point sealed into it, exact. None when it has none (made
-    before backups recorded one, or from an unchained vault)."""
+    """A backup's floor: the point sealed into it, exact; one whose seal does not
+    authenticate (made for another state or place) is judged by a point no vault head
+    has. None for a backup with no seal: made where its key could not be loaded (a copy
+    worth having all the same), or of an unchained vault."""
     from vault import chainops, chainvault
     from vault.chainanchor import Floor
     from vault.chainvault import Point
@@ -44,18 +47,30 @@ def backup_floor(meta: dict[str, str], sealer: crypto.Sealer) -> Floor | None:
     if text is None:
         return None
     keys = chainops.keys_for(sealer, meta["vault_id"])
-    point = chainvault.backup_point(keys, meta.get(backupmark.BACKUP_ID, ""), text)
-    # One that does not authenticate judges the file by a point no vault head has.
+    backup_id, source = meta.get(backupmark.BACKUP_ID, ""), meta.get(backupmark.BACKUP_FROM, "")
+    point = chainvault.backup_point(keys, backup_id, source, text)
     return Floor(point or Point(-1, b""), exact=True)
 
 
-def floor_for(meta: dict[str, str], sealer: crypto.Sealer, ks: KeyStore) -> Floor | None:
-    """The floor of a file whose meta is `meta`: its own sealed point for a backup, the
-    keyring's anchor for a live keyring vault, None for a transit vault (no anchor yet)."""
+def at_its_source(meta: dict[str, str], path: Path) -> bool:
+    """Whether a backup's file is the one at the live vault's place: copied back over
+    it, it is the live vault put back, judged by the live anchor, not by its seal."""
+    try:
+        return os.path.samefile(meta.get(backupmark.BACKUP_FROM, ""), path)
+    except (OSError, ValueError):
+        return False  # no file there (or a PostgreSQL vault's URL)
+
+
+def floor_for(
+    meta: dict[str, str], sealer: crypto.Sealer, ks: KeyStore, path: Path
+) -> Floor | None:
+    """The floor of the file at `path` whose meta is `meta`: its own sealed point for a
+    backup, the keyring's anchor for a live keyring vault (or a backup copied back over
+    it), None for a transit vault (no anchor yet)."""
     from vault import chainanchor
     from vault.chainanchor import Floor
 
-    if backupmark.is_backup(meta):
+    if backupmark.is_backup(meta) and not at_its_source(meta, path):
         return backup_floor(meta, sealer)
     store = anchor_store(ks)
     if store is None:
@@ -64,6 +79,10 @@ def floor_for(meta: dict[str, str], sealer: crypto.Sealer, ks: KeyStore) -> Floo
         return Floor(chainanchor.read(store, meta["vault_id"]))
     except ValueError:  # an entry memvault did not write: judged as no anchor yet
         return Floor()
+
+
+# `head_reader`'s: a file's vault head point, None when none authenticates (or no key).
+HeadReader: TypeAlias = "Callable[[sqlite3.Connection], Point | None]"
 
 
 class Anchored:
@@ -92,7 +111,7 @@ class Anchored:
         reads of this process raise it from there)."""
         if not self._floor_read:
             sealer = self.sealer()
-            self._floor = floor_for(self.meta(), sealer, self.keystore)
+            self._floor = floor_for(self.meta(), sealer, self.keystore, self.path)
             self._floor_read = True
         return self._floor
 
@@ -133,6 +152,21 @@ class Anchored:
             return held
         return None
 
+    def refuse_behind(
+        self, conn: sqlite3.Connection, sealer: crypto.Sealer, session_id: str = ""
+    ) -> None:
+        """Inside a write transaction, before a command writes: refuse a file behind this
+        process's floor. Written to, it would move on from the older state past the
+        anchor, and the rollback would be lost (`accept` takes it on purpose)."""
+        floor = self.anchor_floor()
+        if floor is None:
+            return
+        from vault import chainops
+        from vault.engines.sqlite import vaulthead
+
+        key = chainops.key_of(sealer, self.meta()["vault_id"])
+        vaulthead.refuse_behind(conn, key, floor, session_id, str(self.path))
+
     @contextlib.contextmanager
     def _snapshot_meta(self) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:
         with self.connection() as conn:
@@ -140,11 +174,33 @@ class Anchored:
             yield conn, read_meta(conn, self.path)
 
 
-def past_the_anchor(backup: Anchored, where: str) -> Callable[[sqlite3.Connection], None]:
+def head_reader(live: Anchored) -> HeadReader:
+    """For `restore`: what reads, later, under its lock, the point of the file `live`
+    replaces, if its vault head authenticates. Its key is loaded now: loading reads
+    the file, which the lock then closes to other connections."""
+    from vault import chainops
+    from vault.engines.sqlite import vaulthead
+
+    try:
+        keys = chainops.keys_for(live.sealer(), live.meta()["vault_id"])
+    except VaultError:  # no key: judged by the anchor alone
+        keys = {}
+
+    def read(conn: sqlite3.Connection) -> Point | None:
+        vh = vaulthead.authentic(conn, keys) if keys else None
+        return None if vh is None else vh.point()
+
+    return read
+
+
+def past_the_anchor(
+    backup: Anchored, where: str, replaced: Point | None = None
+) -> Callable[[sqlite3.Connection], None]:
     """For `restore`: what moves the restored copy's vault head past the live vault's
-    anchor, in the copy's own transaction (a verified backup's vault head matches its
-    heads: it is summed again over them, one write past the anchor). The anchor then
-    moves to it (`record_anchor` of the restored file): only forward, so that no
+    anchor and past the `replaced` file's own vault head (writes a session made since
+    the last record), in the copy's own transaction (a verified backup's vault head
+    matches its heads: it is summed again over them, one write past both). The anchor
+    then moves to it (`record_anchor` of the restored file): only forward, so that no
     process that saw the replaced file takes the restored one for a rollback."""
     from vault import chainanchor, chainops
     from vault.engines.sqlite import vaulthead
@@ -155,6 +211,8 @@ def past_the_anchor(backup: Anchored, where: str) -> Callable[[sqlite3.Connectio
         anchor = None if store is None else chainanchor.read(store, key.vault_id)
     except ValueError:  # not memvault's: the restored file starts it afresh
         anchor = None
+    if replaced is not None and (anchor is None or replaced.seq > anchor.seq):
+        anchor = replaced
 
     def lift(conn: sqlite3.Connection) -> None:
         if vaulthead.exists(conn):
@@ -164,16 +222,27 @@ def past_the_anchor(backup: Anchored, where: str) -> Callable[[sqlite3.Connectio
 
 
 def seal_backup(
-    conn: sqlite3.Connection, sealer: crypto.Sealer, vault_id: str, backup_id: str
+    conn: sqlite3.Connection,
+    sealer: crypto.Sealer,
+    mark: dict[str, str],
+    floor: Floor | None,
 ) -> None:
-    """In a backup's own transaction, after its mark: its vault head's point, sealed
-    under its key (`backup_point`), what it is judged against from then on. None for a
-    copy with no vault head (of an unchained vault) or under a key `sealer` lacks."""
+    """In a backup's own transaction, after its `mark`: its vault head's point, sealed
+    under its key (`backup_point`), what it is judged against from then on. Refused for
+    a copy behind the live vault's `floor` (read before the copy was taken): a backup
+    would vouch for a file put back from an older copy. None for a copy with no vault
+    head (of an unchained vault) or under a key `sealer` lacks."""
     from vault import chainops, chainvault
+    from vault.chaincheck import Tamper
     from vault.engines.sqlite import vaulthead
 
+    vault_id = mark[backupmark.BACKUP_OF]
     keys = chainops.keys_for(sealer, vault_id)
     vh = vaulthead.authentic(conn, keys)
-    if vh is not None:
-        sealed = chainvault.seal_backup(keys[vh.kid], backup_id, vh.point())
-        set_meta(conn, **{backupmark.BACKUP_POINT: sealed})
+    if vh is None:
+        return
+    if floor is not None and not floor.passes(vh.point()):
+        raise chainops.tampered("", Tamper.FILE_ROLLED_BACK, mark[backupmark.BACKUP_FROM])
+    backup_id, source = mark[backupmark.BACKUP_ID], mark[backupmark.BACKUP_FROM]
+    sealed = chainvault.seal_backup(keys[vh.kid], backup_id, source, vh.point())
+    set_meta(conn, **{backupmark.BACKUP_POINT: sealed})

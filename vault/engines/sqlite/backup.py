@@ -40,6 +40,7 @@ from vault.keyjournal import DESTROYED, PENDING, ROTATING_FROM
 
 if TYPE_CHECKING:
     # Not Vault: its `backup` imports this module (no import circle).
+    from vault.chainanchor import Floor
     from vault.engines.sqlite.lifecycle import KeyLifecycle
 
 KEY_OK = "present and matching"
@@ -129,17 +130,29 @@ def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
     ]
 
 
-def backup(vault: KeyLifecycle, dest: str | os.PathLike[str]) -> BackupResult:
+def backup(
+    vault: KeyLifecycle,
+    dest: str | os.PathLike[str],
+    anchor_floor: Callable[[], Floor | None] = lambda: None,
+) -> BackupResult:
     """Write a consistent copy of `vault` to the new file `dest` (0600).
 
     Raises BadInput for an unusable `dest`, KeyRevoked for a revoked vault,
-    OperationFailed when the copy cannot be written (the partial file is removed).
+    OperationFailed when the copy cannot be written (the partial file is removed),
+    HistoryTampered when the file is behind its anchor (put back from an older copy).
     """
     meta = vault.settled_meta()  # a rotation under way or cut off is finished first
     refuse_unbackable(meta, vault.path, "a backup could never be read")
     target = check_destination(dest, vault.path)
+    floor = None
+    with contextlib.suppress(KeyProblem):  # a copy is worth having without the key
+        floor = anchor_floor()  # before the copy's snapshot: a write moves the anchor
     mark = functools.partial(
-        mark_as_backup, meta["vault_id"], source=str(vault.path), sealer=vault.sealer
+        mark_as_backup,
+        meta["vault_id"],
+        source=os.path.abspath(vault.path),
+        sealer=vault.sealer,
+        floor=floor,
     )
     return recorded_backup(
         vault,
@@ -214,22 +227,28 @@ def recorded_backup(
 
 
 def mark_as_backup(
-    vault_id: str, backup_id: str, source: str, sealer: Callable[[], Sealer] | None = None
+    vault_id: str,
+    backup_id: str,
+    source: str,
+    sealer: Callable[[], Sealer] | None = None,
+    floor: Floor | None = None,
 ) -> Adjust:
     """The `adjust` of `write_new_copy` that makes the copy a backup of `vault_id` (at `source`).
     A pending version's entry the copy's tidy-up would delete (pgbackup never copies one);
     a copy amid a rotation's batches is refused: its record keeps one of its two keys.
-    With the live vault's `sealer`, the copy's vault head is sealed into it
-    (anchoring.seal_backup); a key that cannot be loaded leaves the copy unsealed."""
+    With the live vault's `sealer`, the copy's vault head is sealed into it, and refused
+    if behind the live vault's `floor` (anchoring.seal_backup); a key that cannot be
+    loaded leaves the copy unsealed."""
 
     def adjust(conn: sqlite3.Connection) -> None:
         if conn.execute("SELECT 1 FROM memvault_meta WHERE key = ?", (ROTATING_FROM,)).fetchone():
             raise VaultBusy("a key rotation began during the backup; run `memvault backup` again")
         conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
-        set_meta(conn, **backupmark.new_mark(vault_id, backup_id, source))
+        mark = backupmark.new_mark(vault_id, backup_id, source)
+        set_meta(conn, **mark)
         if sealer is not None:
             with contextlib.suppress(KeyProblem):
-                seal_backup(conn, sealer(), vault_id, backup_id)
+                seal_backup(conn, sealer(), mark, floor)
 
     return adjust
 

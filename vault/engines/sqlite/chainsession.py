@@ -72,12 +72,13 @@ def pop_newest(
     conn: sqlite3.Connection,
     session_id: str,
     validate: Callable[[Any], None] | None,
-    keys_of: KeysOf,
+    chain: SessionChain,
     where: str,
 ) -> Any:
     """The SDK's pop_item, in the caller's transaction: the newest row taken with its
     link, checked by `validate` (the SDK's: authenticates the envelope) and by the
-    chain (the head's authentic last item), the head moved back. None: no row.
+    chain (the head's authentic last item), the head moved back; refused from a file
+    behind the chain's floor, as a write is (`insert_items`). None: no row.
     InvalidToken when the session's key is stale (the caller rolls back, reloads the
     key and retries)."""
     row = conn.execute(
@@ -95,9 +96,11 @@ def pop_newest(
     if validate is not None:
         validate(item)
     kid = file_kid(conn)
-    keys = keys_of(kid)
+    keys = chain.keys_of(kid)
     if keys is None or kid not in keys:
         raise InvalidToken
+    if chain.floor is not None:
+        vaulthead.refuse_behind(conn, keys[kid], chain.floor, session_id, where)
     after_pop(conn, keys[kid], session_id, [(text, link)], where, keys)
     return item
 

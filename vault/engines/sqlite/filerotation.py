@@ -66,6 +66,10 @@ class KeyLifecycle(Protocol):
         self, timeout: float | None = None
     ) -> AbstractContextManager[sqlite3.Connection]: ...
 
+    def refuse_behind(
+        self, conn: sqlite3.Connection, sealer: crypto.Sealer, session_id: str = ""
+    ) -> None: ...
+
 
 FROM, PROGRESS, OWNER = ROTATING_FROM, "rotation_progress", "rotation_owner"
 _running = 0  # rotations moving rows in this process now (threads)
@@ -175,6 +179,7 @@ def start(lc: KeyLifecycle) -> tuple[crypto.Sealer, crypto.Sealer, bool]:
         prewrap(lc.keystore, entry_name(lc.vault_id, new.kid), new.master_key)
         with lc.write_transaction() as conn:
             refuse_revoked(read_meta(conn, lc.path))
+            lc.refuse_behind(conn, current)  # before anything is recorded; again at the switch
             keyjournal.record(conn, new.kid, PENDING)
         testhooks.failpoint("after-record-pending")
         if _switch(lc, current, new):
@@ -193,6 +198,7 @@ def _switch(lc: KeyLifecycle, old: crypto.Sealer, new: crypto.Sealer) -> bool:
         meta = read_meta(conn, lc.path)
         refuse_revoked(meta)
         refuse_moved(ks, meta, lc.path)
+        lc.refuse_behind(conn, old)  # its vault head is re-MACed below: never from an older copy
         states = {v.kid: v.state for v in keyjournal.versions(conn)}
         if meta["kid"] != old.kid or FROM in meta or states.get(new.kid) != PENDING:
             return False

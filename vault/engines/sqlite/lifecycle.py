@@ -30,6 +30,7 @@ from typing import Any
 
 from vault import backupmark, crypto, keyjournal, keyload, retention, rotation, testhooks
 from vault.engines.sqlite import filerotation, legacy
+from vault.engines.sqlite.anchoring import Anchored
 from vault.engines.sqlite.db import audit, read_meta, set_meta
 from vault.engines.sqlite.keptkeys import KeptVersions
 from vault.engines.sqlite.keptkeys import (
@@ -52,7 +53,7 @@ from vault.keysource.store import anchor_store, destroy_versions, host_keyring
 from vault.results import KeyVersionInfo, Report
 
 
-class KeyLifecycle(KeptVersions):
+class KeyLifecycle(KeptVersions, Anchored):
     """A vault file with its key: loaded, checked, rotated, revoked."""
 
     def __init__(self, path: Path, keystore: KeyStore | None = None) -> None:
@@ -215,6 +216,15 @@ class KeyLifecycle(KeptVersions):
             if read_meta(conn, self.path)["kid"] != fresh.kid:
                 raise VaultBusy(f"{self.path} changed key while this command ran; try again")
         return self._sealer or sealer
+
+    def check_writable(
+        self, conn: sqlite3.Connection, sealer: crypto.Sealer, session_id: str = ""
+    ) -> crypto.Sealer:
+        """`check_kid`, and the file not put back from an older copy (`refuse_behind`):
+        what a command checks in its write transaction before it writes."""
+        sealer = self.check_kid(conn, sealer)
+        self.refuse_behind(conn, sealer, session_id)
+        return sealer
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it switched."""

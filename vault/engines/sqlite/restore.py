@@ -14,13 +14,12 @@ keys this keyring holds). Then, holding the live vault's exclusive lock:
 3. the replaced vault, now only `<vault>.restore-old`, is overwritten and
    unlinked.
 
-At every instant the vault's name holds one whole vault, the old one or the
-restored one. `finish` (run by the next open of the vault, or the next
-restore) ends a restore that was cut off: before the rename it removes the
-new copy and the second name (the old vault stays live); after it, it
-destroys the replaced vault. A running restore holds an advisory lock on the
-vault's folder, so nobody tidies under its feet (POSIX only: on Windows a
-cut-off restore is finished by the next `memvault restore`).
+At every instant the vault's name holds one whole vault, the old one or the restored
+one. `finish` (run by the next open of the vault, or the next restore) ends a restore
+that was cut off: before the rename it removes the new copy and the second name (the old
+vault stays live); after it, it destroys the replaced vault. A running restore holds an
+advisory lock on the vault's folder, so nobody tidies under its feet (POSIX only: on
+Windows a cut-off restore is finished by the next `memvault restore`).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from vault import (
     backupmark,
     chainanchor,
     chainops,
+    chainvault,
     files,
     keyjournal,
     paths,
@@ -44,7 +44,8 @@ from vault import (
     targets,
     testhooks,
 )
-from vault.engines.sqlite.anchoring import past_the_anchor
+from vault.engines.sqlite.anchoring import HeadReader as Head
+from vault.engines.sqlite.anchoring import head_reader, past_the_anchor
 from vault.engines.sqlite.backup import refuse_unbackable
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
@@ -221,12 +222,13 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
     new, _old = state_names(live)
     folder = live.absolute().parent
     paths.ensure_private_folder(folder)
+    head = head_reader(Vault(live)) if plan.replaces and not plan.unchained else None
     with folder_lock(folder, wait=True) as held:
         if not held:
             raise OperationFailed(f"cannot lock the folder {folder}; nothing was changed")
         finish_locked(live)
         try:
-            _restore_locked(plan, live, src, new)
+            _restore_locked(plan, live, src, new, head)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 finish_locked(live)  # back to the vault as it was
@@ -250,7 +252,7 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
     return {**plan.as_dict(), "restored": True}
 
 
-def _restore_locked(plan: RestorePlan, live: Path, src: Path, new: Path) -> None:
+def _restore_locked(plan: RestorePlan, live: Path, src: Path, new: Path, head: Head | None) -> None:
     folder = live.absolute().parent
     if plan.replaces:
         if not os.path.lexists(live):
@@ -263,7 +265,8 @@ def _restore_locked(plan: RestorePlan, live: Path, src: Path, new: Path) -> None
                     "nothing was changed"
                 )
             versions = keyjournal.versions(conn)
-            _copy(src, new, plan, versions, meta, retention.records(conn))
+            replaced = None if head is None else head(conn)
+            _copy(src, new, plan, versions, meta, retention.records(conn), replaced)
         # The lock's connection is closed: its WAL is checkpointed and removed.
         _swap(live, new)
     else:
@@ -313,13 +316,14 @@ def _copy(
     replaced: list[keyjournal.KeyVersion],
     replaced_meta: dict[str, str] | None,
     replaced_backups: list[retention.BackupRecord],
+    replaced_head: chainvault.Point | None = None,
 ) -> None:
     """Write the restored vault as `new`: the backup's rows, unmarked, its journal
     naming the replaced vault's key versions too (with their wrapped keys, for a transit
     vault), and the replaced vault's records of its backups (so the versions those
     backups use stay retained), the restore audited."""
     replaced_kid = replaced_meta["kid"] if replaced_meta else None
-    lift = None if plan.unchained else past_the_anchor(Vault(src), plan.path)
+    lift = None if plan.unchained else past_the_anchor(Vault(src), plan.path, replaced_head)
 
     kept = RETAINED
 

@@ -188,9 +188,8 @@ class VaultSQLiteSession(SQLiteSession):
         # rolls back, and VaultSession.pop_item reloads it and retries.
         def pop() -> Any:
             with self._write_connection() as conn:
-                item = chainsession.pop_newest(
-                    conn, self.session_id, validate, self.chain.keys_of, str(self._vault_path)
-                )
+                where = str(self._vault_path)
+                item = chainsession.pop_newest(conn, self.session_id, validate, self.chain, where)
                 conn.commit()
                 return item
 

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from vault import backupmark, crypto, paths, testhooks
 from vault.engines.sqlite import restorestate
-from vault.engines.sqlite.anchoring import Anchored
 from vault.engines.sqlite.counts import count_sessions, file_status
 from vault.engines.sqlite.db import (
     audit,
@@ -80,7 +79,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
+class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
     """The library object behind every command. Open with `Vault.open` or `Vault.init`.
 
     Its key (sealer, rotate, revoke) comes from `KeyLifecycle`; its connections,
@@ -269,7 +268,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
         backupmark.refuse_writes(self, "`memvault pop`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
-            sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
+            sealer = self.check_writable(conn, sealer, session_id)  # reloaded if rotated
             self._require_session(conn, session_id)
             gone = conn.execute(
                 f"SELECT id, message_data, chain FROM {MESSAGES_TABLE} WHERE session_id = ? "
@@ -296,7 +295,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
         backupmark.refuse_writes(self, "`memvault clear`")
         sealer = self.sealer()
         with self.write_transaction() as conn:
-            sealer = self.check_kid(conn, sealer)
+            sealer = self.check_writable(conn, sealer, session_id)
             self._require_session(conn, session_id)
             unreadable = sum(
                 sealer.state(session_id, data, None) is crypto.ItemState.UNREADABLE
@@ -343,7 +342,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
         sealer = self.sealer()
         deleted = kept = unreadable = 0
         with self.write_transaction() as conn:
-            sealer = self.check_kid(conn, sealer)  # reloaded if another process rotated
+            sealer = self.check_writable(conn, sealer)  # reloaded if another process rotated
             meta = read_meta(conn, self.path)
             ttl = parse_ttl(meta, self.path)  # the TTL of this transaction's snapshot
             current = int(time.time()) if now is None else now
@@ -378,7 +377,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems, Anchored):
         """A recorded copy of this file at `dest`, marked as a backup (engines.sqlite.backup)."""
         from vault.engines.sqlite.backup import backup
 
-        return backup(self, dest)
+        return backup(self, dest, self.anchor_floor)
 
     def importer_class(self) -> type[Importer]:
         from vault.importer import Importer

@@ -1,0 +1,189 @@
+"""A file put back whole stays reported until it is accepted on purpose: no memvault
+command carries it forward. A write would move its vault head on from the older state
+past the anchor, and a backup would seal the older state as a backup's own; both would
+erase the evidence. A backup itself, copied back over the live file, is the live vault
+put back, and an older copy cannot be passed off as a sealed backup without the key. Real
+file, real keyring, real `memvault` subprocesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, add_items, run_cli, user
+from tests.files.test_import import make_plain
+from tests.security.test_history_chain_on_a_file import read_in_a_new_process
+from tests.security.test_whole_file_rollback import (
+    WRITE_THEN_DIE,
+    anchor_seq,
+    copy_of,
+    file_seq,
+    put_back,
+)
+from vault import HistoryTampered, Vault
+from vault.chaincheck import Tamper
+
+ROLLED_BACK = Tamper.FILE_ROLLED_BACK.value
+OLDER = "older than the state memvault recorded"
+
+pytestmark = pytest.mark.secret_service
+
+
+def _refused(r: object, db: Path, seq: int) -> None:
+    code, out, err = r.code, r.out, r.err  # type: ignore[attr-defined]
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and OLDER in lines[0], r
+    assert "nothing was changed" in lines[0] or "was not read or changed" in lines[0], r
+    assert "Traceback" not in err and out == "", r
+    assert file_seq(db) == seq, r  # not one chained write went through
+
+
+def test_no_command_writes_to_or_backs_up_a_file_put_back(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(3)])
+    add_items(vault_db, "t", [user("another session")])
+    older = copy_of(vault_db, tmp_path / "older.db")
+    for i in range(2):
+        add_items(vault_db, "s", [user(f"later {i}")])
+    put_back(older, vault_db)
+    seq = file_seq(vault_db)
+    src = tmp_path / "carnet.db"
+    make_plain(src, {"u": [user("imported")]})
+    dest = tmp_path / "b.db"
+    for step in [
+        ("import", str(src), "--session", "u"),
+        ("pop", "s"),
+        ("clear", "t", "--yes"),
+        ("purge", "--yes"),
+        ("rotate", "--yes"),
+        ("backup", str(dest)),
+    ]:
+        _refused(run_cli(*step), vault_db, seq)
+    assert not dest.exists()  # no backup sealing the older state as its own
+
+    async def pop() -> None:
+        s = vault_pkg.open_session("s", vault_db)
+        try:
+            with pytest.raises(HistoryTampered) as caught:
+                await s.pop_item()
+            assert caught.value.kind == ROLLED_BACK
+        finally:
+            s.close()
+
+    asyncio.run(pop())
+    assert file_seq(vault_db) == seq
+    r = run_cli("--json", "verify")
+    assert r.code == 1 and ROLLED_BACK in r.json()["details"]["history_chain"][0], r
+
+    # Taken on purpose, the file is the vault's again, and every command works on it.
+    assert run_cli("accept", "--yes").code == 0
+    assert run_cli("pop", "s").code == 0
+    assert run_cli("backup", str(dest)).code == 0
+    r = run_cli("--json", "verify")
+    assert r.code == 0 and r.json()["problems"]["history_chain"] == 0, r
+    assert read_in_a_new_process(vault_db) == {"items": 2}
+
+
+def test_a_backup_copied_over_the_live_file_is_the_vault_put_back(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(2)])
+    backup = tmp_path / "b.db"
+    assert run_cli("backup", str(backup)).code == 0
+    add_items(vault_db, "s", [user("the turn the old backup lacks")])
+    # Read where it was made, it is a sound backup of its own state.
+    assert run_cli("--db", str(backup), "verify").code == 0
+
+    shutil.copyfile(backup, vault_db)  # `cp b.db vault.db`, WAL checkpointed before
+    for side in ("-wal", "-shm"):
+        Path(f"{vault_db}{side}").unlink(missing_ok=True)
+    r = run_cli("--json", "verify")
+    assert r.code == 1, r
+    assert ROLLED_BACK in r.json()["details"]["history_chain"][0], r
+    r = run_cli("show", "s")
+    assert r.code == 1 and OLDER in r.err, r
+    assert read_in_a_new_process(vault_db) == {"tampered": ROLLED_BACK, "session": "s"}
+
+
+def _mark(db: Path, rows: dict[str, str]) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.executemany(
+            "INSERT OR REPLACE INTO memvault_meta (key, value) VALUES (?, ?)", rows.items()
+        )
+    conn.close()
+
+
+def _mark_of(db: Path) -> dict[str, str]:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute(
+            "SELECT key, value FROM memvault_meta WHERE key IN "
+            "('backup_of', 'backup_id', 'backed_up_at', 'backup_from', 'backup_point')"
+        ).fetchall()
+    conn.close()
+    return dict(rows)
+
+
+def test_an_older_copy_cannot_be_passed_off_as_a_backup_without_the_key(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user("first")])
+    older = copy_of(vault_db, tmp_path / "older.db")
+    backup = tmp_path / "b.db"
+    assert run_cli("backup", str(backup)).code == 0
+    add_items(vault_db, "s", [user("second")])
+    real = _mark_of(backup)
+    assert len(real) == 5
+
+    # The real seal, the live vault's place renamed so the copy is not judged as the
+    # live vault put back: the seal covers the place, and no longer authenticates.
+    elsewhere = copy_of(older, tmp_path / "elsewhere.db")
+    _mark(elsewhere, {**real, "backup_from": str(tmp_path / "not-the-vault.db")})
+    # A seal made for another backup (its id) of the very same state.
+    renamed = copy_of(older, tmp_path / "renamed.db")
+    _mark(renamed, {**real, "backup_id": "0" * len(real["backup_id"])})
+    for fake in (elsewhere, renamed):
+        r = run_cli("--db", str(fake), "--json", "verify")
+        assert r.code == 1, (fake, r)
+        assert ROLLED_BACK in r.json()["details"]["history_chain"][0], (fake, r)
+        r = run_cli("--db", str(fake), "show", "s")
+        assert r.code == 1 and r.out == "", (fake, r)
+    # The same copy with the mark untouched is the very backup it is: served.
+    twin = copy_of(older, tmp_path / "twin.db")
+    _mark(twin, real)
+    assert run_cli("--db", str(twin), "verify").code == 0
+
+
+def test_a_restore_is_no_rollback_to_a_process_that_read_unrecorded_writes(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """`restore` goes past the replaced file's own vault head, not only past the anchor:
+    a writer killed within its interval left writes the anchor never saw, and a `Vault`
+    object that read them must not take the restored file for an older copy."""
+    add_items(vault_db, "s", [user("before")])
+    backup = tmp_path / "b.db"
+    assert run_cli("backup", str(backup)).code == 0
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITE_THEN_DIE, str(vault_db), "3600", str(tmp_path / "c.db")],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert file_seq(vault_db) - anchor_seq(vault) == 2  # two writes the anchor never saw
+    reader = Vault.open(vault_db)
+    assert reader.history_verdict("s") is None  # its floor is now past the anchor
+
+    r = run_cli("restore", str(backup), "--yes")
+    assert r.code == 0, r
+    assert reader.history_verdict("s") is None
+    assert len(list(reader.opened_items("s"))) == 1
+    assert run_cli("verify").code == 0
