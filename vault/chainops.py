@@ -59,13 +59,13 @@ def tampered(session_id: str, kind: Tamper | str, where: str) -> HistoryTampered
         spared = (
             f"session {session_id!r} was not read or changed"
             if session_id
-            else "nothing was changed"
+            else "no history was changed"
         )
         return HistoryTampered(
             f"{where} is older than the state memvault recorded of it outside the file "
-            f"({what}), so {spared}; put the "
-            "newer file back, restore a backup with `memvault restore`, or take this one "
-            "as it is with `memvault accept`",
+            f"({what}), so {spared}; put the newer file back, restore a backup with "
+            "`memvault restore` (a backup copied over the vault: move it elsewhere first), "
+            "or take this one as it is with `memvault accept`",
             session_id,
             what,
         )

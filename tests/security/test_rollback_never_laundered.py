@@ -41,7 +41,7 @@ def _refused(r: object, db: Path, seq: int) -> None:
     code, out, err = r.code, r.out, r.err  # type: ignore[attr-defined]
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and OLDER in lines[0], r
-    assert "nothing was changed" in lines[0] or "was not read or changed" in lines[0], r
+    assert "no history was changed" in lines[0] or "was not read or changed" in lines[0], r
     assert "Traceback" not in err and out == "", r
     assert file_seq(db) == seq, r  # not one chained write went through
 
@@ -111,9 +111,34 @@ def test_a_backup_copied_over_the_live_file_is_the_vault_put_back(
     r = run_cli("--json", "verify")
     assert r.code == 1, r
     assert ROLLED_BACK in r.json()["details"]["history_chain"][0], r
+    assert "a backup copied over the live vault" in r.json()["details"]["history_chain"][0]
     r = run_cli("show", "s")
-    assert r.code == 1 and OLDER in r.err, r
+    assert r.code == 1 and OLDER in r.err and "move it elsewhere" in r.err, r
     assert read_in_a_new_process(vault_db) == {"tampered": ROLLED_BACK, "session": "s"}
+    # What the messages say works: moved elsewhere, it restores as the live vault.
+    moved = tmp_path / "moved.db"
+    vault_db.rename(moved)
+    assert run_cli("restore", str(moved), "--yes").code == 0
+    assert run_cli("verify").code == 0
+    assert read_in_a_new_process(vault_db) == {"items": 2}
+
+
+def test_a_backup_of_a_backup_names_the_live_vault_and_is_sealed_afresh(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    add_items(vault_db, "s", [user("first")])
+    first, second = tmp_path / "b1.db", tmp_path / "b2.db"
+    assert run_cli("backup", str(first)).code == 0
+    add_items(vault_db, "s", [user("second")])
+    assert run_cli("--db", str(first), "backup", str(second)).code == 0
+    mark1, mark2 = _mark_of(first), _mark_of(second)
+    assert mark2["backup_from"] == mark1["backup_from"] == str(vault_db.absolute())
+    assert mark2["backup_point"] != mark1["backup_point"]  # its own id, sealed afresh
+    # The second copied back over the first is still a sound backup (not "the live
+    # vault put back": the first was never the live vault).
+    shutil.copyfile(second, first)
+    r = run_cli("--db", str(first), "--json", "verify")
+    assert r.code == 0 and r.json()["problems"]["history_chain"] == 0, r
 
 
 def _mark(db: Path, rows: dict[str, str]) -> None:

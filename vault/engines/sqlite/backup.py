@@ -130,11 +130,7 @@ def restore_steps(dest: Path, kid: str, key_ok: bool = True) -> list[str]:
     ]
 
 
-def backup(
-    vault: KeyLifecycle,
-    dest: str | os.PathLike[str],
-    anchor_floor: Callable[[], Floor | None] = lambda: None,
-) -> BackupResult:
+def backup(vault: KeyLifecycle, dest: str | os.PathLike[str]) -> BackupResult:
     """Write a consistent copy of `vault` to the new file `dest` (0600).
 
     Raises BadInput for an unusable `dest`, KeyRevoked for a revoked vault,
@@ -146,11 +142,15 @@ def backup(
     target = check_destination(dest, vault.path)
     floor = None
     with contextlib.suppress(KeyProblem):  # a copy is worth having without the key
-        floor = anchor_floor()  # before the copy's snapshot: a write moves the anchor
+        floor = vault.anchor_floor()  # before the copy's snapshot: a write moves the anchor
+        with vault.connection() as conn:  # a file put back: refused before it is copied
+            vault.refuse_behind(conn, vault.sealer())
+    # Where the live vault is: a backup of a backup names the place its source names.
+    source = meta.get(backupmark.BACKUP_FROM) or os.path.abspath(vault.path)
     mark = functools.partial(
         mark_as_backup,
         meta["vault_id"],
-        source=os.path.abspath(vault.path),
+        source=source,
         sealer=vault.sealer,
         floor=floor,
     )
@@ -244,6 +244,8 @@ def mark_as_backup(
         if conn.execute("SELECT 1 FROM memvault_meta WHERE key = ?", (ROTATING_FROM,)).fetchone():
             raise VaultBusy("a key rotation began during the backup; run `memvault backup` again")
         conn.execute("DELETE FROM memvault_keys WHERE state = ?", (PENDING,))
+        # A backup of a backup: its seal was for that copy (sealed afresh below, or none).
+        conn.execute("DELETE FROM memvault_meta WHERE key = ?", (backupmark.BACKUP_POINT,))
         mark = backupmark.new_mark(vault_id, backup_id, source)
         set_meta(conn, **mark)
         if sealer is not None:

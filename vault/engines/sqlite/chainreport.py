@@ -20,11 +20,17 @@ class Report(Protocol):
     def add(self, problem: str, detail: str, count: int = 1) -> None: ...
 
 
-def _why(kind: Tamper, backup: bool) -> str:
+def _why(kind: Tamper, backup: bool, exact: bool) -> str:
     if kind is Tamper.VAULT_MISMATCH:
         return "its sessions do not match its vault head; `memvault accept` takes them as they are"
-    if backup:
+    if exact:
         return "it is not the state this backup was made in"
+    if backup:  # judged as the live vault: a backup found where the live vault is
+        return (
+            "it is a backup copied over the live vault, older than the state memvault "
+            "recorded of it; put the newer file back, or move this one elsewhere and "
+            "`memvault restore` it from there"
+        )
     return (
         "the file is older than the state memvault recorded of it outside the file; put "
         "the newer file back, or `memvault accept` takes this one as it is"
@@ -57,4 +63,5 @@ def judge_chains(
             report.add("history_chain", f"session {sid[:60]!r}: {verdict.kind.value}{at}")
     kind = vaulthead.verdict(conn, keys, floor)
     if kind is not None:
-        report.add("history_chain", f"the vault as a whole: {kind.value} ({_why(kind, backup)})")
+        why = _why(kind, backup, floor is not None and floor.exact)
+        report.add("history_chain", f"the vault as a whole: {kind.value} ({why})")

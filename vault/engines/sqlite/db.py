@@ -286,10 +286,15 @@ class VaultFile(MetaKeys):
             staged = conn.execute("SELECT 1 FROM memvault_keys WHERE state = 'pending'")
             if any(meta.get(k) != v for k, v in expect.items()) or staged.fetchone():
                 return False
+            self.before_switch(conn)
             conn.executemany("DELETE FROM memvault_meta WHERE key = ?", [(k,) for k in drop])
             set_meta(conn, **put)
             audit(conn, event, meta["kid"], **details)
         return True
+
+    def before_switch(self, conn: sqlite3.Connection) -> None:
+        """What `switch_meta` checks in its transaction besides `expect`: nothing here
+        (the key-holding vault's refuses a file put back from an older copy)."""
 
     def audit_log(self) -> list[dict[str, Any]]:
         with self.connection() as conn:

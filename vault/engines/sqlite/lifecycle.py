@@ -226,6 +226,26 @@ class KeyLifecycle(KeptVersions, Anchored):
         self.refuse_behind(conn, sealer, session_id)
         return sealer
 
+    def switch_meta(
+        self,
+        expect: dict[str, str | None],
+        put: dict[str, str],
+        drop: list[str],
+        event: str,
+        details: dict[str, Any],
+    ) -> bool:
+        # The key and the anchor read first: loading the key may write (it tidies what
+        # a crash left), which inside the switch's transaction would wait on itself.
+        with contextlib.suppress(KeyProblem):
+            self.anchor_floor()
+        return super().switch_meta(expect, put, drop, event, details)
+
+    def before_switch(self, conn: sqlite3.Connection) -> None:
+        """A `key move` refuses a file put back from an older copy: moved to a transit
+        key and back, its anchor would start afresh from the older state."""
+        if self._sealer is not None:  # loaded by `switch_meta` (a move holds every key)
+            self.refuse_behind(conn, self._sealer)
+
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it switched."""
         backupmark.refuse_writes(self, "`memvault rotate`")

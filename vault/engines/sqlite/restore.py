@@ -145,8 +145,7 @@ def verified_plan(
 
 
 def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> RestorePlan:
-    """Check that `source` can replace the vault at `db`; changes nothing but a cut-off
-    restore's leftovers."""
+    """Check that `source` can replace the vault at `db` (tidies a cut-off restore only)."""
     live = paths.resolve_db_path(db)
     finish(live)
     paths.require_text_path(source, "the backup path")
@@ -165,8 +164,9 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
         refuse_unbackable(live_meta, live, REVOKED)
         if backupmark.is_backup(live_meta):
             raise OperationFailed(
-                f"{live} is itself a backup of vault {live_meta[backupmark.BACKUP_OF]}; "
-                "restore into the live vault's path; nothing was changed"
+                f"{live} is itself a backup of vault {live_meta[backupmark.BACKUP_OF]}; restore "
+                "into the live vault's path (a backup copied over it: move it elsewhere and "
+                "restore it from there); nothing was changed"
             )
         if live_meta["vault_id"] != meta["vault_id"]:
             raise OperationFailed(

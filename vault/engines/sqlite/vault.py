@@ -377,7 +377,7 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
         """A recorded copy of this file at `dest`, marked as a backup (engines.sqlite.backup)."""
         from vault.engines.sqlite.backup import backup
 
-        return backup(self, dest, self.anchor_floor)
+        return backup(self, dest)
 
     def importer_class(self) -> type[Importer]:
         from vault.importer import Importer
