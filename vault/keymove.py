@@ -72,6 +72,9 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
         return {**out, "moved": [], "already": True, **_tidy(vault, meta)}
     old_ks = vault.keystore
     versions = vault.key_versions()
+    # Read again: loading the key for `key_versions` finishes a file's cut-off rotation,
+    # whose old key is then gone (the move must not ask for it).
+    meta = vault.meta()
     states = {v.kid: v.state for v in versions}
     if PENDING in states.values():
         raise _busy(vault)

@@ -5,12 +5,14 @@ OpenBao server, real `memvault` subprocesses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from tests import baoserver
 from tests.conftest import add_items, run_cli, user
+from tests.keys.test_key_move import keyring_write
 from tests.keys.test_transit_vault_lifecycle import meta_rows
 from tests.keys.test_transit_vaults import cli_at, operator_env
 from tests.security.test_whole_file_rollback import copy_of, file_seq, put_back
@@ -45,3 +47,23 @@ def test_a_key_move_refuses_a_file_put_back_and_moves_nothing(
     proc = cli_at(str(vault_db), op, "key", "move", f"transit:{key}")
     assert proc.returncode == 0, proc.stderr
     assert meta_rows(str(vault_db))["key_source"] == f"transit:{key}"
+
+
+def test_a_key_move_after_a_rotation_cut_off_at_its_switch_goes_through_at_once(
+    key: str, tmp_path: Path
+) -> None:
+    """Loading the key finishes the cut-off rotation and destroys its old key: the move
+    takes the new one only (it used to ask for the old one, and fail once)."""
+    db = str(tmp_path / "v" / "history.db")
+    op = operator_env(tmp_path)
+    made = json.loads(cli_at(db, op, "--json", "init").stdout)
+    keyring_write(db, op, "s", "one")
+    cut = cli_at(db, {**op, "MEMVAULT_FAILPOINT": "after-switch"}, "rotate")
+    assert cut.returncode == -9, cut.stderr
+    meta = meta_rows(db)
+    assert meta["rotating_from"] == made["kid"] != meta["kid"]
+
+    proc = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["moved"] == [meta["kid"]]
+    assert cli_at(db, op, "verify").returncode == 0
