@@ -102,6 +102,23 @@ def test_ctrl_c_before_the_switch_commits_nothing(vault: Any, vault_db: Path) ->
 
 
 @pytest.mark.slow
+def test_ctrl_c_an_instant_after_the_switch_says_it_committed(vault: Any, vault_db: Path) -> None:
+    """The switch committed, the interrupt came before the rotation could say so: the
+    message follows what the file holds, never "nothing was changed"."""
+    fill(vault_db)
+    before_kid = vault.sealer().kid
+    proc = rotate_until_paused("after-switch")
+    code, err = interrupt(proc)
+    assert code == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("memvault: error: interrupted after the rotation committed"), err
+    assert "nothing was changed" not in err and "Traceback" not in err
+    r = run_cli("--json", "status")  # the next command finishes it
+    assert r.code == 0 and r.json()["kid"] != before_kid, r
+    assert authenticated_counts(vault_db) == (ITEMS, 0, 0)
+
+
+@pytest.mark.slow
 def test_ctrl_c_amid_the_batches_says_the_next_command_finishes(vault: Any, vault_db: Path) -> None:
     fill(vault_db)
     before_kid = vault.sealer().kid

@@ -37,7 +37,7 @@ from vault.engines.sqlite.keptkeys import (
     with_backups as with_backups,  # re-exported: the engines' `key list`
 )
 from vault.engines.sqlite.schema import LEGACY_FORMAT, utcnow
-from vault.errors import Interrupted, KeyProblem, VaultBusy
+from vault.errors import Interrupted, KeyProblem, VaultBusy, VaultError
 from vault.files import Progress
 from vault.keyjournal import (
     CURRENT,
@@ -253,7 +253,7 @@ class KeyLifecycle(KeptVersions, Anchored):
         try:
             return self._rotate(progress, scrub)
         except KeyboardInterrupt:
-            if not self._rotation_committed:
+            if not self._rotation_committed and not self._under_way():
                 raise Interrupted(
                     "interrupted; the rotation was not committed: the vault keeps its old key "
                     "and nothing was changed"
@@ -263,6 +263,13 @@ class KeyLifecycle(KeptVersions, Anchored):
                 "keys read meanwhile): the next memvault command finishes it (moves the rest, "
                 "deletes the old key, scrubs the old bytes)"
             ) from None
+
+    def _under_way(self) -> bool:
+        """Whether the file says a rotation is under way: a switch committed an instant
+        before the interrupt, before `start` returned to say so."""
+        with contextlib.suppress(VaultError):
+            return ROTATING_FROM in self.meta()
+        return False
 
     def settled_meta(self) -> dict[str, str]:
         """The meta once no rotation moves rows: one under way or cut off is joined and
