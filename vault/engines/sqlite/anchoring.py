@@ -164,7 +164,8 @@ class Anchored:
         from vault import chainops
         from vault.engines.sqlite import vaulthead
 
-        key = chainops.key_of(sealer, self.meta()["vault_id"])
+        # The vault id from the caller's own transaction: no second connection.
+        key = chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"])
         vaulthead.refuse_behind(conn, key, floor, session_id, str(self.path))
 
     @contextlib.contextmanager
