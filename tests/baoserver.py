@@ -31,13 +31,20 @@ MARKS = [
     ),
 ]
 
-# What a host may do with one key (docs/fleet.md's host policy), and less.
-HOST_POLICY = """
+# What a host may do with one key (docs/fleet.md's host policy), and less. The anchor's
+# rights: every host of a file vault reads and records it.
+ANCHOR_POLICY = """
+path "secret/data/memvault/transit/{key}/*" {{
+  capabilities = ["create", "read", "update", "delete"]
+}}
+"""
+HOST_POLICY_WITHOUT_ANCHOR = """
 path "transit/encrypt/{key}" {{ capabilities = ["update"] }}
 path "transit/decrypt/{key}" {{ capabilities = ["update"] }}
 path "transit/datakey/plaintext/{key}" {{ capabilities = ["update"] }}
 path "transit/rewrap/{key}" {{ capabilities = ["update"] }}
 """
+HOST_POLICY = HOST_POLICY_WITHOUT_ANCHOR + ANCHOR_POLICY
 ENCRYPT_ONLY_POLICY = 'path "transit/encrypt/{key}" {{ capabilities = ["update"] }}\n'
 
 

@@ -27,8 +27,18 @@ ANCHOR_VERSION = "a1"
 CHAINED = Point(0, ZERO)
 
 
+# How often `advance` reads again after another process recorded first.
+RACE_TRIES = 5
+
+
+class Raced(Exception):
+    """A store's `set` found the entry changed since it was read (the key service's
+    check-and-set): another process recorded first."""
+
+
 class Store(Protocol):
-    """What the anchor needs of a keyring (vault.keys.KeyStore)."""
+    """What the anchor needs of a keyring (vault.keys.KeyStore), or of the key service
+    (vault.keysource.transitanchor.ServiceAnchor, whose `set` may raise `Raced`)."""
 
     def get(self, name: str) -> str | None: ...
 
@@ -65,12 +75,19 @@ def read(store: Store, vault_id: str) -> Point | None:
 def advance(store: Store, vault_id: str, point: Point) -> Point:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
-    state). Nothing moves it back: `restore` and `accept` write a vault head past it."""
-    stored = read(store, vault_id)
-    if stored is not None and point.seq <= stored.seq:
-        return stored
-    store.set(entry_name(vault_id), encode(point))
-    return point
+    state). Nothing moves it back: `restore` and `accept` write a vault head past it.
+    A keyring's read and set are two steps (two processes at once may leave the older
+    point: a wider window); the key service's set is check-and-set, read again on a race."""
+    for _ in range(RACE_TRIES):
+        stored = read(store, vault_id)
+        if stored is not None and point.seq <= stored.seq:
+            return stored
+        try:
+            store.set(entry_name(vault_id), encode(point))
+        except Raced:
+            continue
+        return point
+    return read(store, vault_id) or point  # still racing: the others' points stand
 
 
 def forget(store: Store, vault_id: str) -> bool:

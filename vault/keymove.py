@@ -6,7 +6,9 @@ The order makes a kill at any instant harmless, and a second run finishes the mo
    moves rows from; while a rotation has a new version staged, the move waits) is
    read from the old source and put in the new one: keyring entries stored and read
    back, or keys wrapped and unwrapped again (so a token that may not decrypt is
-   refused before anything changes);
+   refused before anything changes); a file vault's anchor (vault.chainanchor) is
+   carried from the old source to the new one, forward only, so that the file is
+   never judged afresh;
 2. one transaction switches the meta (`key_source`, `transit_mount`) and, in the same
    transaction, sets or drops the wrapped keys (which live in the meta), only if the
    vault's key ids and source are still the ones read in 1 (else: busy, run again);
@@ -32,6 +34,7 @@ from vault.keysource.store import (
     SOURCE,
     WRAPPED,
     TransitStore,
+    anchor_store,
     init_store,
     wrapped_row,
 )
@@ -87,6 +90,8 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     }
     put, drop = _into(new, vault_id, keys)
     drop += [k for k in meta if k.startswith(WRAPPED) and k not in put]
+    if vault.backend == "sqlite":  # a PostgreSQL vault has no anchor yet
+        _carry_anchor(old_ks, new or KeyStore(), vault_id)
     testhooks.failpoint("key-move-after-new-source")
     expect: dict[str, str | None] = {
         "kid": meta["kid"],
@@ -127,6 +132,17 @@ def _into(
             raise KeyProblem(f"{transit.where()} did not give back key {kid}; nothing was moved")
         put[wrapped_row(kid)] = wrapped
     return put, []
+
+
+def _carry_anchor(old: KeyStore, new: KeyStore, vault_id: str) -> None:
+    """Before the switch: the new source's anchor moved up to the old one's, so that the
+    file is judged from where it was, never afresh."""
+    try:
+        point = chainanchor.read(anchor_store(old), vault_id)
+    except ValueError:  # not memvault's: the new source starts it afresh
+        return
+    if point is not None:
+        chainanchor.advance(anchor_store(new), vault_id, point)
 
 
 def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:

@@ -31,7 +31,9 @@ from tests.keys.test_transit_vaults import (
 from vault.errors import KeyMissing
 
 pytestmark = baoserver.MARKS
-DECRYPT_ONLY_POLICY = 'path "transit/decrypt/{key}" {{ capabilities = ["update"] }}\n'
+DECRYPT_ONLY_POLICY = (
+    'path "transit/decrypt/{key}" {{ capabilities = ["update"] }}\n' + baoserver.ANCHOR_POLICY
+)
 
 
 def closed_port_addr() -> str:

@@ -12,12 +12,14 @@ drop the meta whole, on both engines, with no migration.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from vault.errors import BadInput
 from vault.keys import KeyStore
 
 if TYPE_CHECKING:
+    from vault.chainanchor import Store
     from vault.keysource import WrappedKeys
     from vault.keysource.transit import Transit
     from vault.keysource.wrapped import TransitKeySource
@@ -307,24 +309,39 @@ def host_keyring(ks: KeyStore) -> KeyStore | None:
     return local
 
 
-def anchor_store(ks: KeyStore) -> KeyStore | None:
-    """Where the vault's anchor (vault.chainanchor) lives: a keyring vault's keyring. A
-    transit vault has none yet (the service could hold it; not built)."""
-    return None if isinstance(ks, TransitStore) else ks
+def anchor_store(ks: KeyStore) -> Store:
+    """Where the vault's anchor (vault.chainanchor) lives: a keyring vault's keyring, a
+    transit vault's key service (vault.keysource.transitanchor)."""
+    if isinstance(ks, TransitStore):
+        from vault.keysource.transitanchor import ServiceAnchor
+
+        return ServiceAnchor(ks.transit())
+    return ks
 
 
-def forget_anchor(store: KeyStore | None, vault_id: str, in_use: set[str]) -> None:
+def serves(ks: KeyStore, meta: dict[str, str]) -> bool:
+    """Whether `ks` is the key source `meta` names (a `key move` may have run since the
+    store was chosen: the anchor went with it)."""
+    if isinstance(ks, TransitStore):
+        return ks.source_rows() == {SOURCE: meta.get(SOURCE), MOUNT: meta.get(MOUNT)}
+    return not is_transit(meta)
+
+
+def forget_anchor(store: Store | None, vault_id: str, in_use: set[str]) -> None:
     """Before revoke or shred destroys the vault's keys: its anchor (vault.chainanchor)
     goes first, while the vault's own key is there to tell that the anchor is this
     vault's. A copy whose key the live vault no longer uses (it rotated since) leaves
     the live vault's anchor alone; a kill after this step leaves a vault without an
-    anchor, which the finished revoke or shred then destroys anyway."""
+    anchor, which the finished revoke or shred then destroys anyway. The key service's
+    anchor goes with the transit key, which revoke and shred delete for any copy."""
     if store is None:
         return
     from vault import chainanchor
     from vault.keyjournal import entry_name
 
-    if any(store.get(entry_name(vault_id, kid)) is not None for kid in sorted(in_use)):
+    if not isinstance(store, KeyStore) or any(
+        store.get(entry_name(vault_id, kid)) is not None for kid in sorted(in_use)
+    ):
         chainanchor.forget(store, vault_id)
 
 
@@ -338,6 +355,11 @@ def destroy_versions(
 
     local = host_keyring(ks)
     forget_anchor(local if isinstance(ks, TransitStore) else ks, vault_id, in_use)
+    if isinstance(ks, TransitStore):
+        from vault.errors import VaultError
+
+        with contextlib.suppress(VaultError):  # nothing secret: a token may lack the right
+            forget_anchor(anchor_store(ks), vault_id, in_use)
     outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
     if local is not None:
         here = keyjournal.destroy_entries(local, vault_id, kids, in_use)

@@ -167,6 +167,15 @@ class Transit:
         """Reach the server and check the token (nothing is decrypted)."""
         self._connected()
 
+    def client(self) -> Any:
+        """The hvac client, connected and its token renewed when low."""
+        return self._connected()
+
+    def call(self, what: str, endpoint: str, fn: Callable[[], Any]) -> Any:
+        """fn() against the server, its failures as this key's calls' are: a refusal
+        names `endpoint` (a path outside the transit mount) and the host policy."""
+        return self._call(what, endpoint, fn)
+
     # Every call, and what its failures mean ------------------------------------
     def _call(self, what: str, path: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """fn(...) against the server; `path` names the endpoint a refusal concerns."""
@@ -247,7 +256,7 @@ class Transit:
         except Exception:
             return bad_token  # the token itself no longer works
         role = "operator" if path in _OPERATOR else "host"
-        endpoint = f"{self.mount}/{_PATHS[path].format(self.key_name)}"
+        endpoint = f"{self.mount}/{_PATHS[path].format(self.key_name)}" if path in _PATHS else path
         return KeySourceDenied(
             f"the token from {origin} may not {what}: its policy does not allow it on "
             f"{endpoint}; ask the operator for a token with the {role} policy "

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from vault import backupmark
 from vault.engines.sqlite.db import read_meta, set_meta
 from vault.errors import VaultError
-from vault.keysource.store import anchor_store, is_transit
+from vault.keysource.store import anchor_store, serves
 
 # The chain's modules are imported where used: every command loads this one (a base of
 # `Vault`), few judge or record a vault head.
@@ -65,18 +65,15 @@ def floor_for(
     meta: dict[str, str], sealer: crypto.Sealer, ks: KeyStore, path: Path
 ) -> Floor | None:
     """The floor of the file at `path` whose meta is `meta`: its own sealed point for a
-    backup, the keyring's anchor for a live keyring vault (or a backup copied back over
-    it), None for a transit vault (no anchor yet)."""
+    backup, the anchor for a live vault (the keyring's, or a transit vault's key
+    service's), or for a backup copied back over it."""
     from vault import chainanchor
     from vault.chainanchor import Floor
 
     if backupmark.is_backup(meta) and not at_its_source(meta, path):
         return backup_floor(meta, sealer)
-    store = anchor_store(ks)
-    if store is None:
-        return None
     try:
-        return Floor(chainanchor.read(store, meta["vault_id"]))
+        return Floor(chainanchor.read(anchor_store(ks), meta["vault_id"]))
     except ValueError:  # an entry memvault did not write: judged as no anchor yet
         return Floor()
 
@@ -118,7 +115,7 @@ class Anchored:
     def record_anchor(self) -> Point | None:
         """Advance the anchor to the file's vault head, when this object has opened the
         key and the vault head authenticates under it; returns what the anchor holds
-        then. Never for a backup, a revoked or half-shredded vault, or a transit one.
+        then. Never for a backup, or a revoked or half-shredded vault.
         A failure (the keyring or the file gone) is not the caller's: the anchor then
         stays behind, a wider window, never a false alarm."""
         if self._sealer is None or not self.path.exists():
@@ -128,14 +125,12 @@ class Anchored:
 
         with contextlib.suppress(VaultError, sqlite3.Error, OSError):
             store = anchor_store(self.keystore)
-            if store is None:
-                return None
             with self._snapshot_meta() as (conn, meta):
-                # The file's own key source, read now: a `key move` to transit may have
-                # run since this object chose its store (the anchor goes with the move).
+                # The file's own key source, read now: a `key move` may have run since
+                # this object chose its store (the anchor goes with the move).
                 if (
                     backupmark.is_backup(meta)
-                    or is_transit(meta)
+                    or not serves(self.keystore, meta)
                     or {"revoked_at", "shred_started"} & set(meta)
                 ):
                     return None
@@ -207,9 +202,8 @@ def past_the_anchor(
     from vault.engines.sqlite import vaulthead
 
     key = chainops.key_of(backup.sealer(), backup.meta()["vault_id"])
-    store = anchor_store(backup.keystore)
     try:
-        anchor = None if store is None else chainanchor.read(store, key.vault_id)
+        anchor = chainanchor.read(anchor_store(backup.keystore), key.vault_id)
     except ValueError:  # not memvault's: the restored file starts it afresh
         anchor = None
     if replaced is not None and (anchor is None or replaced.seq > anchor.seq):

@@ -94,9 +94,7 @@ def reclaim_interrupted(folder: Path, target: Path, keystore: KeyStore | None) -
             ks = keystore or KeyStore()
             with contextlib.suppress(VaultError):
                 ks.delete(entry)
-                anchored = anchor_store(ks)
-                if anchored is not None:
-                    chainanchor.forget(anchored, entry.partition("/")[0])
+                chainanchor.forget(anchor_store(ks), entry.partition("/")[0])
         _destroy_with_side_files(tmp)
         reclaimed += 1
     if reclaimed:
@@ -161,8 +159,8 @@ def create(
         rows = stage_first_key(ks, vault_id, kid, key)  # a transit key: wrapped, for meta
         testhooks.failpoint("init-key-stored")
         _build(cls(tmp, ks), vault_id, kid, ttl, rows, key)
-        if anchored is not None:  # born chained: no later file of it may say otherwise
-            chainanchor.mark_chained(anchored, vault_id)
+        # Born chained: no later file of it may say otherwise.
+        chainanchor.mark_chained(anchored, vault_id)
         os.fsync(fd)
         testhooks.failpoint("init-built")
         if os.name == "nt":  # Windows unlinks no open file (and has no flock to keep)
@@ -191,8 +189,7 @@ def create(
             _destroy_with_side_files(tmp)
             with contextlib.suppress(VaultError):
                 unstage_first_key(ks, vault_id, kid)
-                if anchored is not None:
-                    chainanchor.forget(anchored, vault_id)
+                chainanchor.forget(anchored, vault_id)
         raise
     finally:
         if fd >= 0:

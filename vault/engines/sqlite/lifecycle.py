@@ -119,8 +119,7 @@ class KeyLifecycle(KeptVersions, Anchored):
                 anchored, vid, str(self.path), lambda: self.meta().get(chainops.CHAIN_META)
             )
             chainrows.build(self, chainops.key_of(sealer, vid), chainops.keys_for(sealer, vid))
-            if anchored is not None:
-                chainanchor.mark_chained(anchored, vid)
+            chainanchor.mark_chained(anchored, vid)
         if (
             meta["format"] == LEGACY_FORMAT
             or keyjournal.LEGACY_MARK in meta

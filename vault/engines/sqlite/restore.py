@@ -68,8 +68,7 @@ from vault.engines.sqlite.restorestate import (
 from vault.engines.sqlite.vault import Vault
 from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy, VaultError
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
-from vault.keys import KeyStore
-from vault.keysource.store import WRAPPED, is_transit, same_source
+from vault.keysource.store import WRAPPED, anchor_store, is_transit, same_source
 from vault.verify import verify
 
 # Why a revoked vault takes no backup back (both engines): its backups' keys were destroyed
@@ -179,7 +178,7 @@ def check(source: str | os.PathLike[str], db: str | os.PathLike[str] | None) -> 
     replaces = os.path.lexists(live)
     same = "the same vault id" if replaces else "no vault at the path"
     plan = verified_plan(src, str(live), meta, replaces, [same])
-    plan.unchained = meta.get(chainops.CHAIN_META) != chainops.ON and not is_transit(meta)
+    plan.unchained = meta.get(chainops.CHAIN_META) != chainops.ON
     if plan.replaces:
         plan.replaced_items = current.count_items()
         plan.replaced_kid = current.meta()["kid"]
@@ -243,7 +242,7 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
     if plan.unchained:
         # On purpose: the vault is put back to a state before its history was chained,
         # so its anchor no longer holds (the next open links the rows as restored).
-        chainanchor.forget(KeyStore(), plan.vault_id)
+        chainanchor.forget(anchor_store(Vault(live).keystore), plan.vault_id)
     else:  # the anchor moves to the restored state, which `lift` put past it
         restored = Vault(live)
         with contextlib.suppress(VaultError):

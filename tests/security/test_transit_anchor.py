@@ -1,0 +1,214 @@
+"""A transit vault's anchor, held by the key service (vault.keysource.transitanchor):
+a file put back from an older copy is told on every host, hosts recording at once keep
+the newer point, a policy without the anchor's path is told so, and `key move` carries
+the anchor between the keyring and the service. Real OpenBao server, real keyring for
+the operator, real `memvault` subprocesses for hosts that hold only a token."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import baoserver
+from tests.conftest import ROOT
+from tests.keys.test_key_move import keyring_write
+from tests.keys.test_transit_vaults import (
+    cli_at,
+    host_env,
+    host_write,
+    operator_env,
+    transit_vault,
+)
+from tests.security.test_history_chain_operations_approve_nothing import rows, sql
+from tests.security.test_whole_file_rollback import copy_of, file_seq, put_back
+from vault import chainanchor
+from vault.chain import MAC_BYTES
+from vault.chaincheck import Tamper
+from vault.chainvault import Point
+from vault.keys import KeyStore
+from vault.keysource.transitanchor import ServiceAnchor
+
+pytestmark = [pytest.mark.secret_service, *baoserver.MARKS]
+
+# The agent's session on another host, in a process of its own: argv = db, session.
+SESSION_READS = """
+import asyncio, sys
+import vault
+async def main():
+    s = vault.open_session(sys.argv[2], sys.argv[1])
+    try:
+        await s.get_items()
+    except vault.HistoryTampered as exc:
+        print("tampered:", exc.kind)
+asyncio.run(main())
+"""
+
+
+def service(key: str) -> ServiceAnchor:
+    return ServiceAnchor(baoserver.admin_transit(key))
+
+
+def vault_id(db: Path) -> str:
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        (vid,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
+    finally:
+        conn.close()
+    return str(vid)
+
+
+def one_line(proc: subprocess.CompletedProcess[str], code: int) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code and len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_a_transit_file_put_back_from_an_older_copy_is_told_on_every_host(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    _, writer = transit_vault(db, key, tmp_path, "first")
+    older = copy_of(vault_db, tmp_path / "older.db")
+    host_write(db, writer, "s1", "the turn a rollback takes away")
+    # The session recorded its state in the service as it closed, on a host with no keyring.
+    assert chainanchor.read(service(key), vault_id(vault_db)) is not None
+    put_back(older, vault_db)
+    seq = file_seq(vault_db)
+
+    other = host_env(tmp_path, baoserver.host_token(key))
+    verdict = cli_at(db, other, "--json", "verify")
+    assert verdict.returncode == 1, verdict.stderr
+    assert (
+        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
+    )
+    assert "older than the state memvault recorded" in one_line(cli_at(db, other, "show", "s1"), 1)
+    session = subprocess.run(
+        [sys.executable, "-c", SESSION_READS, db, "s1"],
+        capture_output=True, text=True, env=other, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert session.returncode == 0, session.stderr[-2000:]
+    assert session.stdout.strip() == f"tampered: {Tamper.FILE_ROLLED_BACK.value}"
+    # No write carries it forward; accepted on purpose, it is the vault again.
+    one_line(cli_at(db, other, "pop", "s1", "--yes"), 1)
+    assert file_seq(vault_db) == seq
+    assert cli_at(db, other, "accept", "--yes").returncode == 0
+    assert cli_at(db, other, "verify").returncode == 0
+    assert host_write(db, other, "s1", "after") == ["first", "after"]
+
+
+def test_a_transit_file_rewritten_to_look_unchained_is_refused_not_linked_again(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """Its links, heads and vault head deleted, a row taken out, and the file marked as
+    not yet upgraded: the service's anchor says it was chained, so no host links it."""
+    db = str(vault_db)
+    _, host = transit_vault(db, key, tmp_path, "A0")
+    for i in range(1, 4):
+        host_write(db, host, "s1", f"A{i}")
+    for statement in (
+        "DELETE FROM agent_messages WHERE id = (SELECT min(id) + 1 FROM agent_messages)",
+        "UPDATE agent_messages SET chain = NULL",
+        "DELETE FROM memvault_chain_heads",
+        "DELETE FROM memvault_vault_head",
+        "UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'",
+    ):
+        sql(vault_db, statement)
+    other = host_env(tmp_path, baoserver.host_token(key))
+    for args in (["verify"], ["show", "s1"], ["show", "s1", "--include-tampered"]):
+        assert "never chained" in one_line(cli_at(db, other, *args), 1)
+    assert all(link is None for _i, _t, link in rows(vault_db, "s1"))  # nothing linked
+
+
+def test_a_host_whose_policy_lacks_the_anchor_is_told_which_path(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    transit_vault(db, key, tmp_path, "kept")
+    token = baoserver.token_with(baoserver.HOST_POLICY_WITHOUT_ANCHOR.format(key=key))
+    line = one_line(cli_at(db, host_env(tmp_path, token), "show", "s1"), 4)
+    assert f"secret/data/memvault/transit/{key}/{vault_id(vault_db)}" in line, line
+    assert "host policy" in line and token not in line
+
+
+def test_the_anchor_mount_is_the_hosts_setting_and_a_missing_one_is_told(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    transit_vault(db, key, tmp_path, "kept")
+    elsewhere = {**operator_env(tmp_path), "MEMVAULT_ANCHOR_MOUNT": "no-such-kv"}
+    line = one_line(cli_at(db, elsewhere, "show", "s1"), 4)
+    assert "no KV version 2 engine at mount no-such-kv/" in line, line
+    assert baoserver.ADMIN_TOKEN not in line
+
+
+def test_hosts_recording_at_once_keep_the_newer_point(key: str) -> None:
+    vid = "mv-" + secrets.token_hex(12)
+    first, second = service(key), service(key)
+    newer = Point(9, secrets.token_bytes(MAC_BYTES))
+    assert first.get(chainanchor.entry_name(vid)) is None  # read, then another host records
+    assert chainanchor.advance(second, vid, newer) == newer
+    with pytest.raises(chainanchor.Raced):
+        first.set(chainanchor.entry_name(vid), chainanchor.encode(Point(5, b"\0" * MAC_BYTES)))
+
+    class Interleaved(ServiceAnchor):
+        """Another host records between this one's read and its write, once."""
+
+        raced = False
+
+        def get(self, name: str) -> str | None:
+            text = super().get(name)
+            if not self.raced:
+                self.raced = True
+                chainanchor.advance(second, vid, Point(20, newer.digest))
+            return text
+
+    # `advance` reads again after a race and keeps the newer point.
+    assert (
+        chainanchor.advance(Interleaved(baoserver.admin_transit(key)), vid, Point(15, b"")).seq
+        == 20
+    )
+    assert chainanchor.read(service(key), vid) == Point(20, newer.digest)
+    assert chainanchor.forget(first, vid) is True
+    assert chainanchor.read(service(key), vid) is None
+    assert chainanchor.advance(first, vid, newer) == newer  # set again after its deletion
+
+
+def test_a_key_move_carries_the_anchor_between_keyring_and_service(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "on the keyring")
+    vid = vault_id(vault_db)
+    on_keyring = chainanchor.read(KeyStore(), vid)
+    assert on_keyring is not None and on_keyring.seq == file_seq(vault_db)
+
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    assert chainanchor.read(service(key), vid) == on_keyring
+    assert chainanchor.read(KeyStore(), vid) is None
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "through the service")
+    in_service = chainanchor.read(service(key), vid)
+    assert in_service is not None and in_service.seq == file_seq(vault_db) > on_keyring.seq
+
+    assert cli_at(db, op, "key", "move", "keyring").returncode == 0
+    assert chainanchor.read(KeyStore(), vid) == in_service
+
+
+def test_shred_of_a_transit_vault_deletes_its_anchor(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    transit_vault(db, key, tmp_path, "kept")
+    vid = vault_id(vault_db)
+    assert chainanchor.read(service(key), vid) is not None
+    assert cli_at(db, operator_env(tmp_path), "shred", "--yes").returncode == 0
+    assert chainanchor.read(service(key), vid) is None
