@@ -13,7 +13,11 @@ vault.engines.sqlite.anchoring; how a process judges by it: `Floor`.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+import time
+from collections.abc import Iterator
 from typing import Protocol
 
 from vault.chain import MAC_BYTES, count_of, hex_text, unhex
@@ -27,8 +31,10 @@ ANCHOR_VERSION = "a1"
 CHAINED = Point(0, ZERO)
 
 
-# How often `advance` reads again after another process recorded first.
+# How often `advance` reads again after another host recorded first.
 RACE_TRIES = 5
+LOCK_NAME = "anchor.lock"  # in the user's cache folder: this host's turn to record
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class Raced(Exception):
@@ -76,18 +82,46 @@ def advance(store: Store, vault_id: str, point: Point) -> Point:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
     state). Nothing moves it back: `restore` and `accept` write a vault head past it.
-    A keyring's read and set are two steps (two processes at once may leave the older
-    point: a wider window); the key service's set is check-and-set, read again on a race."""
-    for _ in range(RACE_TRIES):
-        stored = read(store, vault_id)
-        if stored is not None and point.seq <= stored.seq:
-            return stored
-        try:
-            store.set(entry_name(vault_id), encode(point))
-        except Raced:
-            continue
-        return point
-    return read(store, vault_id) or point  # still racing: the others' points stand
+    A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
+    The key service's set is check-and-set, read again on a race with another host."""
+    with _this_hosts_turn():
+        for _ in range(RACE_TRIES):
+            stored = read(store, vault_id)
+            if stored is not None and point.seq <= stored.seq:
+                return stored
+            try:
+                store.set(entry_name(vault_id), encode(point))
+            except Raced:
+                continue
+            return point
+        return read(store, vault_id) or point  # still racing: the others' points stand
+
+
+@contextlib.contextmanager
+def _this_hosts_turn() -> Iterator[None]:
+    """One process of this user on this host at a time reads and sets an anchor: an
+    exclusive flock on `anchor.lock` in the user's cache folder. Waited for up to the
+    keyring's deadline; not to be had (no flock, no folder, or the wait ran out), the
+    caller goes on unlocked: a wider window, never a false alarm."""
+    import platformdirs
+
+    from vault import files, paths
+    from vault.keys import keyring_timeout
+
+    folder = platformdirs.user_cache_path(paths.APP_NAME, appauthor=False)
+    try:
+        paths.ensure_private_folder(folder)
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + keyring_timeout()
+        while not files.try_lock(fd) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def forget(store: Store, vault_id: str) -> bool:

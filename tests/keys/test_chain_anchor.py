@@ -7,6 +7,8 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -51,6 +53,30 @@ def test_the_anchor_moves_forward_only_and_another_process_reads_it() -> None:
     assert chainanchor.forget(ks, vault_id) is True
     assert chainanchor.read(ks, vault_id) is None and keyring_entries(vault_id) == {}
     assert chainanchor.forget(ks, vault_id) is False
+
+
+class SlowReads(KeyStore):
+    """A keyring whose reads return late: another process records meanwhile."""
+
+    def get(self, name: str) -> str | None:
+        value = super().get(name)
+        time.sleep(0.4)
+        return value
+
+
+def test_two_recorders_at_once_keep_the_newer_point_in_the_keyring() -> None:
+    """The keyring has no check-and-set: without taking turns, the process that read
+    first but set last would leave the older point."""
+    vault_id, newer = "mv-" + secrets.token_hex(12), point(12)
+    first = threading.Thread(target=chainanchor.advance, args=(SlowReads(), vault_id, newer))
+    later = threading.Thread(target=chainanchor.advance, args=(SlowReads(), vault_id, point(10)))
+    first.start()
+    time.sleep(0.1)  # the later one reads while the first waits to set
+    later.start()
+    first.join(30)
+    later.join(30)
+    assert chainanchor.read(KeyStore(), vault_id) == newer
+    chainanchor.forget(KeyStore(), vault_id)
 
 
 def test_a_file_behind_its_anchor_is_judged_rolled_back() -> None:
