@@ -158,6 +158,13 @@ def moved(
     return _sealed(key, vh.seq + 1, _xor(_xor(vh.digest, old), new))
 
 
+def stepped(key: ChainKey, vh: VaultHead) -> VaultHead | None:
+    """The same state one write later (a `key move`'s switch: every point recorded of the
+    vault before it is then behind the file); None when `vh` does not authenticate.
+    The digest is kept as it is: a mismatch stays one."""
+    return _sealed(key, vh.seq + 1, vh.digest) if vault_head_ok(key, vh) else None
+
+
 def judge(
     key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head], anchor: Point | None = None
 ) -> Tamper | None:

@@ -103,6 +103,10 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     if not vault.switch_meta(expect, put, drop, "key-move", details):
         raise _busy(vault)
     testhooks.failpoint("key-move-after-switch")
+    # The switch stepped the file's vault head: the source left records that point, so a
+    # copy from before the move, opened through it, is behind (its key may be kept there).
+    vault.record_anchor(old_ks)
+    vault.record_anchor(new or KeyStore())
     switched = dict(meta)
     for k in drop:
         switched.pop(k, None)

@@ -184,6 +184,7 @@ def test_hosts_recording_at_once_keep_the_newer_point(key: str) -> None:
 def test_a_key_move_carries_the_anchor_between_keyring_and_service(
     key: str, tmp_path: Path, vault_db: Path
 ) -> None:
+    """Each move steps the file's vault head once and records it in both sources."""
     db, op = str(vault_db), operator_env(tmp_path)
     assert cli_at(db, op, "init").returncode == 0
     keyring_write(db, op, "s1", "on the keyring")
@@ -192,15 +193,41 @@ def test_a_key_move_carries_the_anchor_between_keyring_and_service(
     assert on_keyring is not None and on_keyring.seq == file_seq(vault_db)
 
     assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
-    assert chainanchor.read(service(key), vid) == on_keyring
-    assert chainanchor.read(KeyStore(), vid) is None
+    in_service = chainanchor.read(service(key), vid)
+    assert in_service is not None and in_service.seq == file_seq(vault_db) == on_keyring.seq + 1
+    assert chainanchor.read(KeyStore(), vid) is None  # a transit vault keeps none there
     host = host_env(tmp_path, baoserver.host_token(key))
     host_write(db, host, "s1", "through the service")
     in_service = chainanchor.read(service(key), vid)
-    assert in_service is not None and in_service.seq == file_seq(vault_db) > on_keyring.seq
+    assert in_service is not None and in_service.seq == file_seq(vault_db)
 
     assert cli_at(db, op, "key", "move", "keyring").returncode == 0
-    assert chainanchor.read(KeyStore(), vid) == in_service
+    back = chainanchor.read(KeyStore(), vid)
+    assert back is not None and back.seq == file_seq(vault_db) == in_service.seq + 1
+    assert chainanchor.read(service(key), vid) == back
+
+
+def test_a_copy_from_the_vaults_transit_days_put_back_after_it_moved_back_is_told(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """The copy opens as a transit vault, judged by the service's anchor: the move back
+    stepped the file past the copy's very state and recorded that in the service."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "through the service")
+    transit_days = copy_of(vault_db, tmp_path / "transit-days.db")  # the state moved back
+    assert cli_at(db, op, "key", "move", "keyring").returncode == 0
+    keyring_write(db, op, "s1", "on the keyring again")
+    put_back(transit_days, vault_db)
+
+    verdict = cli_at(db, host, "--json", "verify")
+    assert verdict.returncode == 1, verdict.stderr
+    assert (
+        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
+    )
+    one_line(cli_at(db, host, "pop", "s1", "--yes"), 1)
 
 
 def test_shred_of_a_transit_vault_deletes_its_anchor(

@@ -180,7 +180,7 @@ class PgVault(pgkept.PgKeptVersions, ImportsFiles, ReadsItems):
         """None: PostgreSQL's history is not chained yet (docs/history-chain.md)."""
         return None
 
-    def record_anchor(self) -> None:
+    def record_anchor(self, into: KeyStore | None = None) -> None:
         """Nothing: no history chain, so no anchor, on PostgreSQL yet."""
 
     def accept_history(self) -> Accepted:

@@ -112,10 +112,12 @@ class Anchored:
             self._floor_read = True
         return self._floor
 
-    def record_anchor(self) -> Point | None:
+    def record_anchor(self, into: KeyStore | None = None) -> Point | None:
         """Advance the anchor to the file's vault head, when this object has opened the
         key and the vault head authenticates under it; returns what the anchor holds
-        then. Never for a backup, or a revoked or half-shredded vault.
+        then. Never for a backup, or a revoked or half-shredded vault. `into`: the
+        anchor of that key source (`key move`'s, of the source it left), not this
+        object's.
         A failure (the keyring or the file gone) is not the caller's: the anchor then
         stays behind, a wider window, never a false alarm."""
         if self._sealer is None or not self.path.exists():
@@ -124,13 +126,13 @@ class Anchored:
         from vault.engines.sqlite import vaulthead
 
         with contextlib.suppress(VaultError, sqlite3.Error, OSError):
-            store = anchor_store(self.keystore)
+            store = anchor_store(into or self.keystore)
             with self._snapshot_meta() as (conn, meta):
                 # The file's own key source, read now: a `key move` may have run since
                 # this object chose its store (the anchor goes with the move).
                 if (
                     backupmark.is_backup(meta)
-                    or not serves(self.keystore, meta)
+                    or (into is None and not serves(self.keystore, meta))
                     or {"revoked_at", "shred_started"} & set(meta)
                 ):
                     return None
@@ -162,6 +164,13 @@ class Anchored:
         # The vault id from the caller's own transaction: no second connection.
         key = chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"])
         vaulthead.refuse_behind(conn, key, floor, session_id, str(self.path))
+
+    def step_vault_head(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> None:
+        """Inside a write transaction: the vault head one write on (vaulthead.step)."""
+        from vault import chainops
+        from vault.engines.sqlite import vaulthead
+
+        vaulthead.step(conn, chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"]))
 
     @contextlib.contextmanager
     def _snapshot_meta(self) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:

@@ -240,10 +240,13 @@ class KeyLifecycle(KeptVersions, Anchored):
         return super().switch_meta(expect, put, drop, event, details)
 
     def before_switch(self, conn: sqlite3.Connection) -> None:
-        """A `key move` refuses a file put back from an older copy: moved to a transit
-        key and back, its anchor would start afresh from the older state."""
+        """A `key move` refuses a file put back from an older copy (carried past its
+        anchor, the rollback would be lost), and steps the vault head once: the source
+        it leaves then records that point, and a copy of the file from before the move
+        is behind it."""
         if self._sealer is not None:  # loaded by `switch_meta` (a move holds every key)
             self.refuse_behind(conn, self._sealer)
+            self.step_vault_head(conn, self._sealer)
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it switched."""

@@ -143,6 +143,15 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
         _write(conn, moved)
 
 
+def step(conn: sqlite3.Connection, key: ChainKey) -> None:
+    """One write past the stored vault head, its digest kept (`chainvault.stepped`);
+    nothing when none authenticates under `key`."""
+    vh = VaultHead.decode(_stored(conn))
+    stepped = None if vh is None else chainvault.stepped(key, vh)
+    if stepped is not None:
+        _write(conn, stepped)
+
+
 def verdict(
     conn: sqlite3.Connection, keys: Mapping[str, ChainKey], floor: Floor | None = None
 ) -> Tamper | None:
