@@ -37,6 +37,7 @@ ANCHOR_POLICY = """
 path "secret/data/memvault/transit/{key}/*" {{
   capabilities = ["create", "read", "update", "delete"]
 }}
+path "secret/metadata/memvault/transit/{key}/" {{ capabilities = ["list"] }}
 """
 HOST_POLICY_WITHOUT_ANCHOR = """
 path "transit/encrypt/{key}" {{ capabilities = ["update"] }}

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from vault.chain import MAC_BYTES, count_of, hex_text, unhex
 from vault.chainvault import ZERO, Point, behind
@@ -124,6 +124,23 @@ def _this_hosts_turn() -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def replace(store: Store, vault_id: str, point: Point | None) -> None:
+    """Set the anchor to `point` whatever it holds, or delete it (None): `key move`,
+    before its switch, gives the source it moves to exactly the anchor of the one it
+    leaves. No process records into a source before the vault's keys are there, so
+    what it held is from an earlier stay, which a restore since may have left behind."""
+    if point is None:
+        forget(store, vault_id)
+        return
+    for _ in range(RACE_TRIES):
+        read(store, vault_id)  # the version a check-and-set write is against
+        try:
+            store.set(entry_name(vault_id), encode(point))
+        except Raced:
+            continue
+        return
+
+
 def forget(store: Store, vault_id: str) -> bool:
     """Delete the anchor (shred and revoke destroy the vault's entries)."""
     return store.delete(entry_name(vault_id))
@@ -134,10 +151,25 @@ def mark_chained(store: Store, vault_id: str) -> None:
     advance(store, vault_id, CHAINED)
 
 
+@runtime_checkable
+class Listing(Protocol):
+    """A store that lists the vaults it anchors (the key service, per transit key)."""
+
+    def vault_ids(self) -> list[str]: ...
+
+
 def is_chained(store: Store, vault_id: str) -> bool:
     """Whether an anchor says this vault's history was chained: an unchained file of it
-    was then put back from an older copy, or rewritten."""
-    return store.get(entry_name(vault_id)) is not None
+    was then put back from an older copy, or rewritten. Where the store lists the vaults
+    of one transit key, another vault's anchor there says so too: a transit vault's
+    `vault_id` is bound to no key (a keyring's entries are named by it), so a file
+    rewritten with a fresh one would otherwise find no anchor and get linked."""
+    if store.get(entry_name(vault_id)) is not None:
+        return True
+    if isinstance(store, Listing):
+        others = (v for v in store.vault_ids() if v != vault_id)
+        return any(store.get(entry_name(v)) is not None for v in others)
+    return False
 
 
 class Floor:

@@ -6,9 +6,9 @@ The order makes a kill at any instant harmless, and a second run finishes the mo
    moves rows from; while a rotation has a new version staged, the move waits) is
    read from the old source and put in the new one: keyring entries stored and read
    back, or keys wrapped and unwrapped again (so a token that may not decrypt is
-   refused before anything changes); a file vault's anchor (vault.chainanchor) is
-   carried from the old source to the new one, forward only, so that the file is
-   never judged afresh;
+   refused before anything changes); a file vault's anchor (vault.chainanchor) in
+   the new source is set to the old source's, so that the file is never judged
+   afresh, nor by what the new source kept from an earlier stay;
 2. one transaction switches the meta (`key_source`, `transit_mount`) and, in the same
    transaction, sets or drops the wrapped keys (which live in the meta), only if the
    vault's key ids and source are still the ones read in 1 (else: busy, run again);
@@ -139,14 +139,14 @@ def _into(
 
 
 def _carry_anchor(old: KeyStore, new: KeyStore, vault_id: str) -> None:
-    """Before the switch: the new source's anchor moved up to the old one's, so that the
-    file is judged from where it was, never afresh."""
+    """Before the switch: the new source's anchor set to the old one's, so that the file
+    is judged from where it was, never afresh, nor by what the new source kept from an
+    earlier stay (a restore since may have put the vault behind it on purpose)."""
     try:
         point = chainanchor.read(anchor_store(old), vault_id)
     except ValueError:  # not memvault's: the new source starts it afresh
-        return
-    if point is not None:
-        chainanchor.advance(anchor_store(new), vault_id, point)
+        point = None
+    chainanchor.replace(anchor_store(new), vault_id, point)
 
 
 def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:

@@ -239,3 +239,100 @@ def test_shred_of_a_transit_vault_deletes_its_anchor(
     assert chainanchor.read(service(key), vid) is not None
     assert cli_at(db, operator_env(tmp_path), "shred", "--yes").returncode == 0
     assert chainanchor.read(service(key), vid) is None
+
+
+UNCHAIN = (
+    "UPDATE agent_messages SET chain = NULL",
+    "DELETE FROM memvault_chain_heads",
+    "DELETE FROM memvault_vault_head",
+    "UPDATE memvault_meta SET value = 'building' WHERE key = 'chain'",
+)
+
+
+def test_an_older_copy_given_a_fresh_vault_id_is_refused_not_linked(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """A transit vault's id is bound to no key: rewritten, the file finds no anchor of its
+    own, but its transit key anchors a vault already, so no host links it."""
+    db = str(vault_db)
+    _, host = transit_vault(db, key, tmp_path, "A0")
+    older = copy_of(vault_db, tmp_path / "older.db")
+    host_write(db, host, "s1", "A1")
+    put_back(older, vault_db)
+    for statement in UNCHAIN:
+        sql(vault_db, statement)
+    sql(vault_db, "UPDATE memvault_meta SET value = ? WHERE key = 'vault_id'", "mv-" + "0" * 24)
+    other = host_env(tmp_path, baoserver.host_token(key))
+    for args in (["verify"], ["show", "s1"]):
+        assert "never chained" in one_line(cli_at(db, other, *args), 1)
+    assert all(link is None for _i, _t, link in rows(vault_db, "s1"))
+
+
+def test_a_restore_from_the_keyring_days_then_a_move_to_transit_is_no_false_alarm(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """The service's anchor from the vault's earlier transit stay is ahead of the
+    restored file: the move sets it to the keyring's, it does not keep the higher."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    host = host_env(tmp_path, baoserver.host_token(key))
+    for i in range(3):
+        host_write(db, host, "s1", f"t{i}")
+    for side in [vault_db, *(vault_db.with_name(vault_db.name + s) for s in ("-wal", "-shm"))]:
+        side.unlink(missing_ok=True)  # the disk is lost: the backup goes back in its place
+    assert cli_at(db, op, "restore", str(tmp_path / "b.db"), "--yes").returncode == 0
+    keyring_write(db, op, "s1", "k2")
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    verdict = cli_at(db, host, "verify")
+    assert verdict.returncode == 0, verdict.stdout + verdict.stderr
+    assert host_write(db, host, "s1", "t3") == ["k1", "k2", "t3"]
+
+
+def test_a_host_shredding_a_stray_copy_leaves_the_live_vaults_anchor(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    _, host = transit_vault(db, key, tmp_path, "A0")
+    older = copy_of(vault_db, tmp_path / "older.db")
+    host_write(db, host, "s1", "A1")
+    spare = copy_of(vault_db, tmp_path / "spare.db")
+    shred = cli_at(str(spare), host, "--json", "shred", "--yes")
+    assert shred.returncode == 0, shred.stderr
+    # A host may not delete the transit key: the key, and so the anchor, are kept.
+    report = json.loads(shred.stdout)
+    assert report["transit_key"] == "kept" and "bao kv metadata delete" in report["transit_key_fix"]
+    assert chainanchor.read(service(key), vault_id(vault_db)) is not None
+    put_back(older, vault_db)
+    assert cli_at(db, host, "verify").returncode == 1
+
+
+def test_revoke_with_the_fleet_pages_operator_token_deletes_the_anchor(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    db = str(vault_db)
+    transit_vault(db, key, tmp_path, "kept")
+    vid = vault_id(vault_db)
+    operator_hcl, _ = baoserver.fleet_page_policies(key)
+    env = {**operator_env(tmp_path), "VAULT_TOKEN": baoserver.token_with(operator_hcl)}
+    revoked = cli_at(db, env, "--json", "revoke", "--yes")
+    assert revoked.returncode == 0, revoked.stderr
+    assert json.loads(revoked.stdout)["transit_key"] == "deleted"
+    assert chainanchor.read(service(key), vid) is None
+
+
+def test_an_init_that_may_not_record_the_anchor_leaves_no_vault_and_says_so(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    from tests.keys.test_transit_vault_failures import has_vault, key_exists
+
+    operator_hcl, _ = baoserver.fleet_page_policies(key)
+    without = operator_hcl + baoserver.HOST_POLICY_WITHOUT_ANCHOR.format(key=key)
+    env = {**operator_env(tmp_path), "VAULT_TOKEN": baoserver.token_with(without)}
+    made = cli_at(str(vault_db), env, "init", "--key-source", f"transit:{key}")
+    line = one_line(made, 4)
+    assert "anchor" in line and "no vault was created" in line, line
+    assert f"the transit key {key} that init created was deleted" in line, line
+    assert not has_vault(str(vault_db)) and not key_exists(key)

@@ -149,6 +149,8 @@ def revoke(yes: bool) -> None:
         hosts += "; its transit key is deleted: no copy of the vault can be unwrapped"
     elif r.get("transit_key") == "kept":
         hosts += "; " + r["transit_key_fix"]
+    if "anchor_fix" in r:
+        hosts += "; its anchor (nothing secret) stays in the key service: " + r["anchor_fix"]
 
     def human() -> None:
         if r["already_revoked"]:

@@ -12,7 +12,6 @@ drop the meta whole, on both engines, with no migration.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from vault.errors import BadInput
@@ -355,11 +354,6 @@ def destroy_versions(
 
     local = host_keyring(ks)
     forget_anchor(local if isinstance(ks, TransitStore) else ks, vault_id, in_use)
-    if isinstance(ks, TransitStore):
-        from vault.errors import VaultError
-
-        with contextlib.suppress(VaultError):  # nothing secret: a token may lack the right
-            forget_anchor(anchor_store(ks), vault_id, in_use)
     outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
     if local is not None:
         here = keyjournal.destroy_entries(local, vault_id, kids, in_use)
@@ -367,6 +361,10 @@ def destroy_versions(
             outcome[field] = sorted(set(outcome[field]) | set(here[field]))
         outcome["key_destroyed"] = bool(outcome["destroyed_kids"])
     outcome.update(revoke_source(ks))
+    if isinstance(ks, TransitStore):
+        from vault.keysource.transitanchor import forget_after_key
+
+        outcome.update(forget_after_key(ks.transit(), vault_id, outcome))
     return outcome
 
 

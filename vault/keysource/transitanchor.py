@@ -40,14 +40,16 @@ class ServiceAnchor:
         self.mount = mount or kv_mount()
         self._versions: dict[str, int] = {}  # secret path -> the version last read
 
+    def _folder(self) -> str:
+        return f"memvault/{self.transit.mount}/{self.transit.key_name}"
+
     def _path(self, name: str) -> str:
-        vault_id = name.partition("/")[0]
-        return f"memvault/{self.transit.mount}/{self.transit.key_name}/{vault_id}"
+        return f"{self._folder()}/{name.partition('/')[0]}"
 
     def where(self, name: str) -> str:
         return f"{self.mount}/data/{self._path(name)}"
 
-    def _run(self, what: str, name: str, fn: Any) -> Any:
+    def _run(self, what: str, name: str, fn: Any, where: str = "") -> Any:
         import hvac.exceptions as herr
 
         def guarded() -> Any:
@@ -62,7 +64,7 @@ class ServiceAnchor:
                     return _RACED
                 raise
 
-        answer = self.transit.call(what, self.where(name), guarded)
+        answer = self.transit.call(what, where or self.where(name), guarded)
         if answer is _NO_MOUNT:
             raise KeySourceUnavailable(
                 f"the key service at {self.transit.addr} has no KV version 2 engine at "
@@ -110,6 +112,23 @@ class ServiceAnchor:
             raise Raced(self.where(name))
         self._versions[path] = int((answer.get("data") or {}).get("version") or cas + 1)
 
+    def delete_command(self, vault_id: str) -> str:
+        """The command with which an operator deletes the vault's anchor."""
+        return f"bao kv metadata delete -mount={self.mount} {self._path(vault_id)}"
+
+    def vault_ids(self) -> list[str]:
+        """The vaults whose anchors this transit key's folder holds (deleted ones too)."""
+        folder = self._folder()
+        answer = self._run(
+            "list the anchors of the vaults of its transit key",
+            "",
+            lambda kv: kv.list_secrets(path=folder, mount_point=self.mount),
+            f"{self.mount}/metadata/{folder}/",
+        )
+        if answer is _MISSING:
+            return []
+        return [str(k) for k in (answer.get("data") or {}).get("keys") or [] if "/" not in k]
+
     def delete(self, name: str) -> bool:
         """Delete the anchor's latest version (its older ones hold nothing secret)."""
         if self.get(name) is None:
@@ -121,3 +140,23 @@ class ServiceAnchor:
             lambda kv: kv.delete_latest_version_of_secret(path=path, mount_point=self.mount),
         )
         return True
+
+
+def forget_after_key(transit: Transit, vault_id: str, outcome: dict[str, Any]) -> dict[str, str]:
+    """Revoke's and shred's last step on a transit vault (`outcome`: theirs so far): its
+    anchor deleted once its transit key is (nothing unwraps any copy then). A key kept
+    (a token that may not delete it, say a host shredding a stray copy) keeps the
+    anchor, which the live vault may still need: the operator deletes both."""
+    from vault.chainanchor import entry_name
+    from vault.errors import VaultError
+
+    store = ServiceAnchor(transit)
+    if outcome.get("transit_key") != "deleted":
+        return {
+            "transit_key_fix": f"{outcome['transit_key_fix']}; and {store.delete_command(vault_id)}"
+        }
+    try:
+        store.delete(entry_name(vault_id))
+    except VaultError:  # nothing secret in it: said, not failed
+        return {"anchor": "kept", "anchor_fix": store.delete_command(vault_id)}
+    return {}

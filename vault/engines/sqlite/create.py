@@ -36,7 +36,7 @@ from vault import (
 from vault.engines.sqlite.db import VaultFile, audit
 from vault.engines.sqlite.lifecycle import KeyLifecycle
 from vault.engines.sqlite.schema import FILE_FORMAT, SQLITE_MAGIC, migrate, utcnow
-from vault.errors import NotAVault, OperationFailed, VaultError, VaultExists
+from vault.errors import KeyProblem, NotAVault, OperationFailed, VaultError, VaultExists
 from vault.keyjournal import CURRENT, entry_name
 from vault.keys import KeyStore
 from vault.keysource.store import (
@@ -160,7 +160,11 @@ def create(
         testhooks.failpoint("init-key-stored")
         _build(cls(tmp, ks), vault_id, kid, ttl, rows, key)
         # Born chained: no later file of it may say otherwise.
-        chainanchor.mark_chained(anchored, vault_id)
+        try:
+            chainanchor.mark_chained(anchored, vault_id)
+        except KeyProblem as exc:  # a transit vault's, in the key service
+            done = ks.drop_created_key() if isinstance(ks, TransitStore) else ""
+            raise type(exc)(f"{exc.message}; {done or 'no vault was created'}") from None
         os.fsync(fd)
         testhooks.failpoint("init-built")
         if os.name == "nt":  # Windows unlinks no open file (and has no flock to keep)
