@@ -34,7 +34,6 @@ CHAINED = Point(0, ZERO)
 # How often `advance` reads again after another host recorded first.
 RACE_TRIES = 5
 LOCK_NAME = "anchor.lock"  # in the user's cache folder: this host's turn to record
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class Raced(Exception):
@@ -111,7 +110,7 @@ def _this_hosts_turn() -> Iterator[None]:
     folder = platformdirs.user_cache_path(paths.APP_NAME, appauthor=False)
     try:
         paths.ensure_private_folder(folder)
-        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | files.nofollow(), 0o600)
     except OSError:
         yield
         return
