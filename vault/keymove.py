@@ -170,5 +170,8 @@ def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:
         if v.kid not in kept and ks.delete(entry_name(vault_id, v.kid)):
             removed.append(v.kid)
             testhooks.failpoint("key-move-after-tidy-one")
-    chainanchor.forget(ks, vault_id)  # a transit vault keeps none (vault.chainanchor)
+    if not kept:  # nothing of the vault is left to open a copy with: nor is its anchor
+        chainanchor.forget(ks, vault_id)
+    # Kept: the point the move recorded judges a copy from the keyring days, which opens
+    # through the versions kept (a move back sets it afresh, `_carry_anchor`).
     return {"removed_from_keyring": sorted(removed), "kept_in_keyring": kept}

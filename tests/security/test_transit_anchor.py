@@ -167,7 +167,8 @@ def test_hosts_recording_at_once_keep_the_newer_point(key: str) -> None:
             text = super().get(name)
             if not self.raced:
                 self.raced = True
-                chainanchor.advance(second, vid, Point(20, newer.digest))
+                second.get(chainanchor.entry_name(vid))  # its version, for the write
+                second.set(chainanchor.entry_name(vid), chainanchor.encode(Point(20, newer.digest)))
             return text
 
     # `advance` reads again after a race and keeps the newer point.
@@ -303,7 +304,7 @@ def test_a_host_shredding_a_stray_copy_leaves_the_live_vaults_anchor(
     assert shred.returncode == 0, shred.stderr
     # A host may not delete the transit key: the key, and so the anchor, are kept.
     report = json.loads(shred.stdout)
-    assert report["transit_key"] == "kept" and "bao kv metadata delete" in report["transit_key_fix"]
+    assert report["transit_key"] == "kept" and "bao kv delete" in report["transit_key_fix"]
     assert chainanchor.read(service(key), vault_id(vault_db)) is not None
     put_back(older, vault_db)
     assert cli_at(db, host, "verify").returncode == 1
@@ -336,3 +337,25 @@ def test_an_init_that_may_not_record_the_anchor_leaves_no_vault_and_says_so(
     assert "anchor" in line and "no vault was created" in line, line
     assert f"the transit key {key} that init created was deleted" in line, line
     assert not has_vault(str(vault_db)) and not key_exists(key)
+
+
+def test_a_copy_from_the_keyring_days_put_back_after_a_move_to_transit_is_told(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """A backup keeps the keyring's version, so the copy opens through the keyring: the
+    point the move recorded there, one past the copy's, is kept with it."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
+    keyring_days = copy_of(vault_db, tmp_path / "keyring-days.db")
+    keyring_write(db, op, "s1", "k2, the turn a rollback takes away")
+    moved = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
+    assert moved.returncode == 0 and json.loads(moved.stdout)["kept_in_keyring"], moved.stderr
+    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "t1")
+    put_back(keyring_days, vault_db)
+    verdict = cli_at(db, op, "--json", "verify")
+    assert verdict.returncode == 1, verdict.stdout + verdict.stderr
+    assert (
+        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
+    )

@@ -353,7 +353,10 @@ def destroy_versions(
     from vault import keyjournal
 
     local = host_keyring(ks)
-    forget_anchor(local if isinstance(ks, TransitStore) else ks, vault_id, in_use)
+    if isinstance(ks, TransitStore):  # its keyring anchor goes with any version kept here
+        forget_anchor(local, vault_id, kids)
+    else:
+        forget_anchor(ks, vault_id, in_use)
     outcome = keyjournal.destroy_entries(ks, vault_id, kids, in_use)
     if local is not None:
         here = keyjournal.destroy_entries(local, vault_id, kids, in_use)

@@ -114,7 +114,7 @@ class ServiceAnchor:
 
     def delete_command(self, vault_id: str) -> str:
         """The command with which an operator deletes the vault's anchor."""
-        return f"bao kv metadata delete -mount={self.mount} {self._path(vault_id)}"
+        return f"bao kv delete -mount={self.mount} {self._path(vault_id)}"
 
     def vault_ids(self) -> list[str]:
         """The vaults whose anchors this transit key's folder holds (deleted ones too)."""
