@@ -19,11 +19,12 @@ The order makes a kill at any instant harmless, and a second run finishes the mo
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from vault import backupmark, chainanchor, crypto, testhooks
 from vault.chainops import CHAIN_META, ON
-from vault.errors import KeyProblem, VaultBusy
+from vault.errors import KeyProblem, VaultBusy, VaultError
 from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_name
 from vault.keyload import refuse_revoked
 from vault.keys import KeyStore, require_key
@@ -72,6 +73,7 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     out: dict[str, Any] = {"vault_id": vault_id, "from": old_source[0], "to": new_source[0]}
     if old_source == new_source:
         # Already there (or a move cut off after its switch): only the tidy is left.
+        _record_left(vault)
         return {**out, "moved": [], "already": True, **_tidy(vault, meta)}
     old_ks = vault.keystore
     versions = vault.key_versions()
@@ -99,7 +101,10 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
         SOURCE: meta.get(SOURCE),
         MOUNT: meta.get(MOUNT),
     }
-    details = {"from": old_source[0], "to": new_source[0], "kids": sorted(keys)}
+    details = {
+        "from": old_source[0], "from_mount": old_source[1], "to": new_source[0],
+        "kids": sorted(keys),
+    }  # fmt: skip
     if not vault.switch_meta(expect, put, drop, "key-move", details):
         raise _busy(vault)
     testhooks.failpoint("key-move-after-switch")
@@ -136,6 +141,22 @@ def _into(
             raise KeyProblem(f"{transit.where()} did not give back key {kid}; nothing was moved")
         put[wrapped_row(kid)] = wrapped
     return put, []
+
+
+def _record_left(vault: AnyVault) -> None:
+    """A move run again (the first was cut off after its switch, or it is done): the
+    file's point recorded in the source the last move left, as the first run does after
+    its switch, so that a copy from before it, opened through that source, is behind."""
+    if vault.backend != "sqlite":
+        return  # a PostgreSQL vault has no anchor yet
+    moves = [e for e in vault.audit_log() if e.get("event") == "key-move"]
+    if not moves:
+        return
+    last = moves[-1]
+    with contextlib.suppress(VaultError):  # that source out of reach: the window stays
+        left = init_store(str(last.get("from", KEYRING)), last.get("from_mount"))
+        vault.sealer()
+        vault.record_anchor(left or KeyStore())
 
 
 def _carry_anchor(old: KeyStore, new: KeyStore, vault_id: str) -> None:

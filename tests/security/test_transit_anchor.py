@@ -359,3 +359,29 @@ def test_a_copy_from_the_keyring_days_put_back_after_a_move_to_transit_is_told(
     assert (
         Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
     )
+
+
+def test_a_move_back_cut_off_after_its_switch_and_run_again_still_tells_a_transit_days_copy(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """The second run finds the keys moved already: it records the file's point in the
+    source the last move left, as the first run would have after its switch."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "through the service")
+    transit_days = copy_of(vault_db, tmp_path / "transit-days.db")
+    cut = cli_at(
+        db, {**op, "MEMVAULT_FAILPOINT": "key-move-after-switch"}, "key", "move", "keyring"
+    )
+    assert cut.returncode < 0, cut.stderr  # killed just after its switch committed
+    again = cli_at(db, op, "--json", "key", "move", "keyring")
+    assert again.returncode == 0 and json.loads(again.stdout)["already"], again.stderr
+    keyring_write(db, op, "s1", "on the keyring")
+    put_back(transit_days, vault_db)
+    verdict = cli_at(db, host, "--json", "verify")
+    assert verdict.returncode == 1, verdict.stdout + verdict.stderr
+    assert (
+        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
+    )
