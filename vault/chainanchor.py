@@ -33,6 +33,8 @@ CHAINED = Point(0, ZERO)
 
 # How often `advance` reads again after another host recorded first.
 RACE_TRIES = 5
+# The mark of an anchor in a key source the vault's keys moved away from (`leave`).
+LEFT = "left"
 LOCK_NAME = "anchor.lock"  # in the user's cache folder: this host's turn to record
 
 
@@ -56,25 +58,42 @@ def entry_name(vault_id: str) -> str:
     return f"{vault_id}/anchor"
 
 
-def encode(point: Point) -> str:
-    return ".".join([ANCHOR_VERSION, str(point.seq), hex_text(point.digest)])
+def encode(point: Point, *, left: bool = False) -> str:
+    parts = [ANCHOR_VERSION, str(point.seq), hex_text(point.digest)]
+    return ".".join([*parts, LEFT] if left else parts)
 
 
-def decode(text: str) -> Point:
-    """The point an anchor entry holds. ValueError for one memvault did not write."""
+def _parse(text: str) -> tuple[Point, bool]:
     parts = text.split(".")
-    if len(parts) != 3 or parts[0] != ANCHOR_VERSION:
+    left = len(parts) == 4 and parts[3] == LEFT
+    if len(parts) != 3 + left or parts[0] != ANCHOR_VERSION:
         raise ValueError("not an anchor")
     seq, digest = count_of(parts[1]), unhex(parts[2])
     if len(digest) != MAC_BYTES:
         raise ValueError("not an anchor")
-    return Point(seq, digest)
+    return Point(seq, digest), left
+
+
+def decode(text: str) -> Point:
+    """The point an anchor entry holds, left or not. ValueError for one memvault did not
+    write."""
+    return _parse(text)[0]
 
 
 def read(store: Store, vault_id: str) -> Point | None:
     """The vault's anchor, or None before its first one."""
     text = store.get(entry_name(vault_id))
     return None if text is None else decode(text)
+
+
+def floor(store: Store, vault_id: str) -> Floor:
+    """The live file's floor: the anchor as it is now (none yet: a floor that passes the
+    first point it is shown). ValueError for an entry memvault did not write."""
+    text = store.get(entry_name(vault_id))
+    if text is None:
+        return Floor()
+    point, left = _parse(text)
+    return Floor(point, left=left)
 
 
 def advance(store: Store, vault_id: str, point: Point) -> Point:
@@ -140,6 +159,28 @@ def replace(store: Store, vault_id: str, point: Point | None) -> None:
         return
 
 
+def leave(store: Store, vault_id: str) -> None:
+    """Mark the anchor in a key source the vault's keys have just moved away from (`key
+    move`, after recording the switch's point there). A file that still names that
+    source is a copy from before the move, whatever its point: its key source and
+    wrapped keys are meta rows no MAC covers, so one from a later state given them back
+    would otherwise be judged by the point the move left there, which it passes. A
+    move back replaces the mark (`replace`); `restore` and `accept` clear it on purpose
+    (`advance` past it)."""
+    for _ in range(RACE_TRIES):
+        text = store.get(entry_name(vault_id))
+        if text is None:
+            return  # nothing recorded there: the move's record did not get through
+        point, left = _parse(text)
+        if left:
+            return
+        try:
+            store.set(entry_name(vault_id), encode(point, left=True))
+        except Raced:
+            continue
+        return
+
+
 def forget(store: Store, vault_id: str) -> bool:
     """Delete the anchor (shred and revoke destroy the vault's entries)."""
     return store.delete(entry_name(vault_id))
@@ -178,17 +219,23 @@ class Floor:
     under a session that is open (its floor is then past the anchor).
 
     `exact`: a backup's, its own sealed point (it never takes a write), which its vault
-    head must equal."""
+    head must equal. `left`: the anchor of a key source the vault's keys moved away from
+    (`leave`); no vault head passes it until `lift`."""
 
-    def __init__(self, point: Point | None = None, *, exact: bool = False) -> None:
+    def __init__(
+        self, point: Point | None = None, *, exact: bool = False, left: bool = False
+    ) -> None:
         self.point = point
         self.exact = exact
+        self.left = left
         self._guard = threading.Lock()  # the SDK's reads run in worker threads
 
     def passes(self, point: Point) -> bool:
         """Whether a vault head at `point`, authentic and matching its heads, is not
         older than the floor; the floor moves up to it."""
         with self._guard:
+            if self.left:
+                return False  # the vault's keys left the source this file names
             if self.point is None:
                 if self.exact:
                     return True  # a backup made before backups recorded their point
@@ -200,3 +247,10 @@ class Floor:
                 return False
             self.point = point
             return True
+
+    def lift(self, point: Point) -> None:
+        """The file was put at `point`, past the anchor, on purpose (`restore`, `accept`):
+        the floor from there, a left mark cleared."""
+        with self._guard:
+            self.point = point
+            self.left = False

@@ -110,7 +110,7 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     testhooks.failpoint("key-move-after-switch")
     # The switch stepped the file's vault head: the source left records that point, so a
     # copy from before the move, opened through it, is behind (its key may be kept there).
-    vault.record_anchor(old_ks)
+    _leave(vault, old_ks)
     vault.record_anchor(new or KeyStore())
     switched = dict(meta)
     for k in drop:
@@ -156,7 +156,18 @@ def _record_left(vault: AnyVault) -> None:
     with contextlib.suppress(VaultError):  # that source out of reach: the window stays
         left = init_store(str(last.get("from", KEYRING)), last.get("from_mount"))
         vault.sealer()
-        vault.record_anchor(left or KeyStore())
+        _leave(vault, left or KeyStore())
+
+
+def _leave(vault: AnyVault, left: KeyStore) -> None:
+    """After the switch: the file's point recorded in the source left, and marked there as
+    left (chainanchor.leave): a file naming that source is then a copy from before the
+    move, even one given that source's meta rows over a later state."""
+    vault.record_anchor(left)
+    if vault.backend != "sqlite":
+        return  # a PostgreSQL vault has no anchor yet
+    with contextlib.suppress(VaultError):  # out of reach: a rerun of the move marks it
+        chainanchor.leave(anchor_store(left), vault.vault_id)
 
 
 def _carry_anchor(old: KeyStore, new: KeyStore, vault_id: str) -> None:

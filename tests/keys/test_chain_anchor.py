@@ -101,10 +101,38 @@ def test_a_file_behind_its_anchor_is_judged_rolled_back() -> None:
 @pytest.mark.parametrize(
     "text",
     ["", "a1.1", "a2.1." + "00" * MAC_BYTES, "a1.01." + "00" * MAC_BYTES, "a1.1.00",
-     "a1.99999999999999999999." + "00" * MAC_BYTES, "a1.1." + "zz" * MAC_BYTES],
+     "a1.99999999999999999999." + "00" * MAC_BYTES, "a1.1." + "zz" * MAC_BYTES,
+     "a1.1." + "00" * MAC_BYTES + ".moved", "a1.1." + "00" * MAC_BYTES + ".left.left"],
 )  # fmt: skip
 def test_an_anchor_memvault_did_not_write_is_refused(text: str) -> None:
     with pytest.raises(ValueError):
         chainanchor.decode(text)
     good = Point(3, bytes(range(MAC_BYTES)))
     assert chainanchor.decode(chainanchor.encode(good)) == good
+
+
+def test_an_anchor_left_by_a_key_move_passes_no_file_until_lifted_on_purpose() -> None:
+    ks, vault_id = KeyStore(), "mv-" + secrets.token_hex(12)
+    try:
+        chainanchor.leave(ks, vault_id)  # nothing recorded there: nothing to mark
+        assert ks.get(chainanchor.entry_name(vault_id)) is None
+        at_move = point(7)
+        chainanchor.advance(ks, vault_id, at_move)
+        chainanchor.leave(ks, vault_id)
+        assert chainanchor.read(ks, vault_id) == at_move  # the point stays, marked
+        floor = chainanchor.floor(ks, vault_id)
+        assert floor.left and not floor.passes(point(8)) and not floor.passes(at_move)
+        # A record from a process that saw the file before the move leaves the mark;
+        # only what `restore` and `accept` write past it on purpose clears it.
+        chainanchor.advance(ks, vault_id, point(6))
+        assert chainanchor.floor(ks, vault_id).left
+        lifted = point(9)
+        floor.lift(lifted)
+        assert floor.passes(lifted) and not floor.passes(point(8))
+        assert chainanchor.advance(ks, vault_id, lifted) == lifted
+        assert not chainanchor.floor(ks, vault_id).left
+        chainanchor.leave(ks, vault_id)
+        chainanchor.replace(ks, vault_id, point(10))  # a move back to this source
+        assert not chainanchor.floor(ks, vault_id).left
+    finally:
+        chainanchor.forget(ks, vault_id)

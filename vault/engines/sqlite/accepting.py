@@ -41,7 +41,7 @@ class _File(Protocol):
 
     def anchor_floor(self) -> Floor | None: ...
 
-    def record_anchor(self) -> Point | None: ...
+    def record_anchor(self, *, lifted: bool = False) -> Point | None: ...
 
 
 def accept_history(vault: _File) -> Accepted:
@@ -55,6 +55,8 @@ def accept_history(vault: _File) -> Accepted:
         sealer = vault.check_kid(conn, sealer)
         key = chainops.key_of(sealer, vault.vault_id)
         n, matched = vaulthead.accept(conn, key, str(vault.path), floor.point if floor else None)
+        # A file naming a key source its keys left (chainanchor.leave) did not match either.
+        matched = matched and not (floor is not None and floor.left)
         audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
-    vault.record_anchor()
+    vault.record_anchor(lifted=True)
     return Accepted(n, matched)

@@ -73,7 +73,7 @@ def floor_for(
     if backupmark.is_backup(meta) and not at_its_source(meta, path):
         return backup_floor(meta, sealer)
     try:
-        return Floor(chainanchor.read(anchor_store(ks), meta["vault_id"]))
+        return chainanchor.floor(anchor_store(ks), meta["vault_id"])
     except ValueError:  # an entry memvault did not write: judged as no anchor yet
         return Floor()
 
@@ -112,12 +112,13 @@ class Anchored:
             self._floor_read = True
         return self._floor
 
-    def record_anchor(self, into: KeyStore | None = None) -> Point | None:
+    def record_anchor(self, into: KeyStore | None = None, *, lifted: bool = False) -> Point | None:
         """Advance the anchor to the file's vault head, when this object has opened the
         key and the vault head authenticates under it; returns what the anchor holds
         then. Never for a backup, or a revoked or half-shredded vault. `into`: the
         anchor of that key source (`key move`'s, of the source it left), not this
-        object's.
+        object's. `lifted`: `restore` or `accept` has just put the vault head past the
+        anchor on purpose, which then clears a mark left by a `key move`.
         A failure (the keyring or the file gone) is not the caller's: the anchor then
         stays behind, a wider window, never a false alarm."""
         if self._sealer is None or not self.path.exists():
@@ -141,6 +142,8 @@ class Anchored:
             if vh is None:
                 return None
             floor = self.anchor_floor()
+            if floor is not None and lifted:
+                floor.lift(vh.point())
             if floor is not None and not floor.passes(vh.point()):
                 return None  # a file behind what was seen of it: never recorded as newer
             held = chainanchor.advance(store, meta["vault_id"], vh.point())
@@ -250,3 +253,30 @@ def seal_backup(
     backup_id, source = mark[backupmark.BACKUP_ID], mark[backupmark.BACKUP_FROM]
     sealed = chainvault.seal_backup(keys[vh.kid], backup_id, source, vh.point())
     set_meta(conn, **{backupmark.BACKUP_POINT: sealed})
+
+
+def source_of(live: Anchored) -> KeyStore | None:
+    """For `restore`: the key source of the file it replaces, None out of reach."""
+    try:
+        return live.keystore
+    except VaultError:
+        return None
+
+
+def anchor_restored(restored: Anchored, unchained: bool, left: KeyStore | None) -> None:
+    """After `restore`: the anchor moved to the restored state, which `lift` put past it,
+    or, for a copy from before the chain, forgotten on purpose (the next open links its
+    rows as restored). A replaced file that named another key source leaves it, as a
+    `key move` would (chainanchor.leave): a copy of it put back is from before."""
+    from vault import chainanchor
+
+    meta = restored.meta()
+    if unchained:
+        chainanchor.forget(anchor_store(restored.keystore), meta["vault_id"])
+    else:
+        with contextlib.suppress(VaultError):
+            restored.sealer()
+        restored.record_anchor(lifted=True)
+    if left is not None and not serves(left, meta):
+        with contextlib.suppress(VaultError):  # out of reach: that source's window stays
+            chainanchor.leave(anchor_store(left), meta["vault_id"])

@@ -34,7 +34,6 @@ from typing import Any
 
 from vault import (
     backupmark,
-    chainanchor,
     chainops,
     chainvault,
     files,
@@ -45,7 +44,12 @@ from vault import (
     testhooks,
 )
 from vault.engines.sqlite.anchoring import HeadReader as Head
-from vault.engines.sqlite.anchoring import head_reader, past_the_anchor
+from vault.engines.sqlite.anchoring import (
+    anchor_restored,
+    head_reader,
+    past_the_anchor,
+    source_of,
+)
 from vault.engines.sqlite.backup import refuse_unbackable
 from vault.engines.sqlite.db import (
     SCRUB_WAIT,
@@ -66,9 +70,9 @@ from vault.engines.sqlite.restorestate import (
     state_names,
 )
 from vault.engines.sqlite.vault import Vault
-from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy, VaultError
+from vault.errors import BadInput, KeyProblem, NotAVault, OperationFailed, VaultBusy
 from vault.keyjournal import DESTROYED, PENDING, RETAINED, RETIRED
-from vault.keysource.store import WRAPPED, anchor_store, is_transit, same_source
+from vault.keysource.store import WRAPPED, is_transit, same_source
 from vault.verify import verify
 
 # Why a revoked vault takes no backup back (both engines): its backups' keys were destroyed
@@ -221,7 +225,9 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
     new, _old = state_names(live)
     folder = live.absolute().parent
     paths.ensure_private_folder(folder)
-    head = head_reader(Vault(live)) if plan.replaces and not plan.unchained else None
+    replaced = Vault(live) if plan.replaces else None
+    head = head_reader(replaced) if replaced is not None and not plan.unchained else None
+    left = source_of(replaced) if replaced is not None else None
     with folder_lock(folder, wait=True) as held:
         if not held:
             raise OperationFailed(f"cannot lock the folder {folder}; nothing was changed")
@@ -239,15 +245,7 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 finish_locked(live)  # back to the vault as it was, or finished if committed
             raise
-    if plan.unchained:
-        # On purpose: the vault is put back to a state before its history was chained,
-        # so its anchor no longer holds (the next open links the rows as restored).
-        chainanchor.forget(anchor_store(Vault(live).keystore), plan.vault_id)
-    else:  # the anchor moves to the restored state, which `lift` put past it
-        restored = Vault(live)
-        with contextlib.suppress(VaultError):
-            restored.sealer()
-        restored.record_anchor()
+    anchor_restored(Vault(live), plan.unchained, left)
     return {**plan.as_dict(), "restored": True}
 
 

@@ -1,0 +1,130 @@
+"""A copy given back the meta rows of a key source the vault's keys have left.
+
+The key source and the wrapped keys are meta rows no MAC covers: anyone who can write
+the file can give a later copy the rows of an earlier stay, and the copy then opens
+through that source. `key move` marks the anchor it leaves there (chainanchor.leave),
+so that such a file is judged a copy from before the move, whatever its point; `accept`
+takes it on purpose. Real OpenBao server, real keyring for the operator, real `memvault`
+subprocesses for the hosts, which hold only a token."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tests import baoserver
+from tests.keys.test_key_move import keyring_write, source_rows
+from tests.keys.test_transit_vaults import cli_at, host_env, host_write, operator_env
+from tests.security.test_transit_anchor import one_line, service
+from tests.security.test_whole_file_rollback import copy_of, put_back
+from vault import chainanchor
+from vault.chaincheck import Tamper
+from vault.keys import KeyStore
+
+pytestmark = [pytest.mark.secret_service, *baoserver.MARKS]
+
+
+def give_rows(db: Path, rows: dict[str, str]) -> None:
+    """The file's key source rows replaced by `rows`, as an attacker with the file can."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute(
+            "DELETE FROM memvault_meta WHERE key IN ('key_source', 'transit_mount') "
+            "OR key LIKE 'wrapped_key:%'"
+        )
+        conn.executemany("INSERT INTO memvault_meta (key, value) VALUES (?, ?)", rows.items())
+    finally:
+        conn.close()
+
+
+def rolled_back(proc: object) -> bool:
+    stdout = getattr(proc, "stdout", "")
+    assert getattr(proc, "returncode", None) == 1, stdout + getattr(proc, "stderr", "")
+    return Tamper.FILE_ROLLED_BACK.value in json.loads(stdout)["details"]["history_chain"][0]
+
+
+def vault_id_of(db: Path) -> str:
+    with sqlite3.connect(db) as conn:
+        (vid,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
+    return str(vid)
+
+
+def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """The copy is newer than the point the move back left in the service; the mark
+    there says the vault is no longer a transit vault, so no host takes it."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "through the service")
+    transit_rows = source_rows(db)
+    assert cli_at(db, op, "key", "move", "keyring").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    older = copy_of(vault_db, tmp_path / "keyring-days.db")
+    keyring_write(db, op, "s1", "k2, the turn a rollback takes away")
+    put_back(older, vault_db)
+    give_rows(vault_db, transit_rows)
+
+    assert rolled_back(cli_at(db, host, "--json", "verify"))
+    assert "older than the state memvault recorded" in one_line(cli_at(db, host, "show", "s1"), 1)
+    one_line(cli_at(db, host, "pop", "s1", "--yes"), 1)
+    # Taken on purpose, it is a transit vault again, and no longer marked.
+    accepted = cli_at(db, host, "--json", "accept", "--yes")
+    assert accepted.returncode == 0, accepted.stderr
+    assert json.loads(accepted.stdout)["matched"] is False
+    assert cli_at(db, host, "verify").returncode == 0
+    assert host_write(db, host, "s1", "after") == ["through the service", "k1", "after"]
+    assert not chainanchor.floor(service(key), vault_id_of(vault_db)).left
+
+
+def test_a_transit_days_copy_given_the_keyring_days_rows_is_told(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """A backup keeps the keyring's version, so the copy opens through the keyring,
+    whose anchor the move to transit left behind the copy's point, and marked."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
+    keyring_rows = source_rows(db)
+    moved = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
+    assert moved.returncode == 0 and json.loads(moved.stdout)["kept_in_keyring"], moved.stderr
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    older = copy_of(vault_db, tmp_path / "transit-days.db")
+    host_write(db, host, "s1", "t2, the turn a rollback takes away")
+    put_back(older, vault_db)
+    give_rows(vault_db, keyring_rows)
+
+    assert rolled_back(cli_at(db, op, "--json", "verify"))
+    one_line(cli_at(db, op, "show", "s1"), 1)
+    # The backup is judged by its own seal, not by the mark: it still opens.
+    assert cli_at(str(tmp_path / "b.db"), op, "verify").returncode == 0
+    assert chainanchor.floor(KeyStore(), vault_id_of(vault_db)).left
+
+
+def test_a_copy_of_the_file_a_restore_from_another_source_replaced_is_told(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """A keyring backup restored over the vault's transit days: the transit file, put
+    back, is judged by the service's anchor, which the restore marked as left."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    transit_days = copy_of(vault_db, tmp_path / "transit-days.db")
+    restored = cli_at(db, op, "restore", str(tmp_path / "b.db"), "--yes")
+    assert restored.returncode == 0, restored.stderr
+    assert cli_at(db, op, "verify").returncode == 0
+    put_back(transit_days, vault_db)
+
+    assert rolled_back(cli_at(db, host, "--json", "verify"))
+    one_line(cli_at(db, host, "show", "s1"), 1)
