@@ -96,16 +96,18 @@ def floor(store: Store, vault_id: str) -> Floor:
     return Floor(point, left=left)
 
 
-def advance(store: Store, vault_id: str, point: Point) -> Point:
+def advance(store: Store, vault_id: str, point: Point, *, lifted: bool = False) -> Point:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
-    state). Nothing moves it back: `restore` and `accept` write a vault head past it.
+    state). Nothing moves it back: `restore` and `accept` write a vault head past it,
+    and only they (`lifted`) write over a left mark (`leave`).
     A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
     The key service's set is check-and-set, read again on a race with another host."""
     with _this_hosts_turn():
         for _ in range(RACE_TRIES):
-            stored = read(store, vault_id)
-            if stored is not None and point.seq <= stored.seq:
+            text = store.get(entry_name(vault_id))
+            stored, left = (None, False) if text is None else _parse(text)
+            if stored is not None and (point.seq <= stored.seq or (left and not lifted)):
                 return stored
             try:
                 store.set(entry_name(vault_id), encode(point))
@@ -171,7 +173,10 @@ def leave(store: Store, vault_id: str) -> None:
         text = store.get(entry_name(vault_id))
         if text is None:
             return  # nothing recorded there: the move's record did not get through
-        point, left = _parse(text)
+        try:
+            point, left = _parse(text)
+        except ValueError:
+            return  # not memvault's: judged as no anchor (a window, as before the move)
         if left:
             return
         try:

@@ -160,11 +160,13 @@ def _record_left(vault: AnyVault) -> None:
 
 
 def _leave(vault: AnyVault, left: KeyStore) -> None:
-    """After the switch: the file's point recorded in the source left, and marked there as
-    left (chainanchor.leave): a file naming that source is then a copy from before the
-    move, even one given that source's meta rows over a later state."""
+    """After the switch: the file's point recorded in the source left, and, in the key
+    service, marked there as left (chainanchor.leave): a file naming that source is then
+    a copy from before the move, even one given its meta rows over a later state. Not
+    in a keyring: it is one host's, and that host would go on refusing the vault after
+    it came back to the keyring through another host."""
     vault.record_anchor(left)
-    if vault.backend != "sqlite":
+    if vault.backend != "sqlite" or not isinstance(left, TransitStore):
         return  # a PostgreSQL vault has no anchor yet
     with contextlib.suppress(VaultError):  # out of reach: a rerun of the move marks it
         chainanchor.leave(anchor_store(left), vault.vault_id)

@@ -122,17 +122,21 @@ def test_an_anchor_left_by_a_key_move_passes_no_file_until_lifted_on_purpose() -
         assert chainanchor.read(ks, vault_id) == at_move  # the point stays, marked
         floor = chainanchor.floor(ks, vault_id)
         assert floor.left and not floor.passes(point(8)) and not floor.passes(at_move)
-        # A record from a process that saw the file before the move leaves the mark;
-        # only what `restore` and `accept` write past it on purpose clears it.
-        chainanchor.advance(ks, vault_id, point(6))
+        # A record, of an older point or a newer one, leaves the mark; only what
+        # `restore` and `accept` write past it on purpose clears it.
+        assert chainanchor.advance(ks, vault_id, point(6)) == at_move
+        assert chainanchor.advance(ks, vault_id, point(8)) == at_move
         assert chainanchor.floor(ks, vault_id).left
         lifted = point(9)
         floor.lift(lifted)
         assert floor.passes(lifted) and not floor.passes(point(8))
-        assert chainanchor.advance(ks, vault_id, lifted) == lifted
+        assert chainanchor.advance(ks, vault_id, lifted, lifted=True) == lifted
         assert not chainanchor.floor(ks, vault_id).left
         chainanchor.leave(ks, vault_id)
         chainanchor.replace(ks, vault_id, point(10))  # a move back to this source
         assert not chainanchor.floor(ks, vault_id).left
+        ks.set(chainanchor.entry_name(vault_id), "a2.5.zz")
+        chainanchor.leave(ks, vault_id)  # not memvault's: nothing to mark, no error
+        assert ks.get(chainanchor.entry_name(vault_id)) == "a2.5.zz"
     finally:
         chainanchor.forget(ks, vault_id)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from vault import backupmark
 from vault.engines.sqlite.db import read_meta, set_meta
 from vault.errors import VaultError
-from vault.keysource.store import anchor_store, serves
+from vault.keysource.store import TransitStore, anchor_store, serves
 
 # The chain's modules are imported where used: every command loads this one (a base of
 # `Vault`), few judge or record a vault head.
@@ -73,9 +73,14 @@ def floor_for(
     if backupmark.is_backup(meta) and not at_its_source(meta, path):
         return backup_floor(meta, sealer)
     try:
-        return chainanchor.floor(anchor_store(ks), meta["vault_id"])
+        floor = chainanchor.floor(anchor_store(ks), meta["vault_id"])
     except ValueError:  # an entry memvault did not write: judged as no anchor yet
         return Floor()
+    if floor.left and not serves(ks, meta):
+        # This object chose its source before a `key move` that has since left it: the
+        # file no longer names it, so the mark is not about this file.
+        floor.left = False
+    return floor
 
 
 # `head_reader`'s: a file's vault head point, None when none authenticates (or no key).
@@ -146,7 +151,7 @@ class Anchored:
                 floor.lift(vh.point())
             if floor is not None and not floor.passes(vh.point()):
                 return None  # a file behind what was seen of it: never recorded as newer
-            held = chainanchor.advance(store, meta["vault_id"], vh.point())
+            held = chainanchor.advance(store, meta["vault_id"], vh.point(), lifted=lifted)
             if floor is not None:
                 floor.passes(held)  # raised: this process has seen the file get there
             return held
@@ -266,7 +271,7 @@ def source_of(live: Anchored) -> KeyStore | None:
 def anchor_restored(restored: Anchored, unchained: bool, left: KeyStore | None) -> None:
     """After `restore`: the anchor moved to the restored state, which `lift` put past it,
     or, for a copy from before the chain, forgotten on purpose (the next open links its
-    rows as restored). A replaced file that named another key source leaves it, as a
+    rows as restored). A replaced file that named another transit key leaves it, as a
     `key move` would (chainanchor.leave): a copy of it put back is from before."""
     from vault import chainanchor
 
@@ -277,6 +282,6 @@ def anchor_restored(restored: Anchored, unchained: bool, left: KeyStore | None) 
         with contextlib.suppress(VaultError):
             restored.sealer()
         restored.record_anchor(lifted=True)
-    if left is not None and not serves(left, meta):
+    if isinstance(left, TransitStore) and not serves(left, meta):  # as keymove._leave
         with contextlib.suppress(VaultError):  # out of reach: that source's window stays
             chainanchor.leave(anchor_store(left), meta["vault_id"])
