@@ -74,6 +74,15 @@ def _parse(text: str) -> tuple[Point, bool]:
     return Point(seq, digest), left
 
 
+def _held(text: str | None) -> tuple[Point | None, bool]:
+    """What an entry holds, for a writer: one memvault did not write is written over, as
+    every reader takes it for no anchor yet (vault.engines.sqlite.anchoring.floor_for)."""
+    try:
+        return (None, False) if text is None else _parse(text)
+    except ValueError:
+        return None, False
+
+
 def decode(text: str) -> Point:
     """The point an anchor entry holds, left or not. ValueError for one memvault did not
     write."""
@@ -105,8 +114,7 @@ def advance(store: Store, vault_id: str, point: Point, *, lifted: bool = False) 
     The key service's set is check-and-set, read again on a race with another host."""
     with _this_hosts_turn():
         for _ in range(RACE_TRIES):
-            text = store.get(entry_name(vault_id))
-            stored, left = (None, False) if text is None else _parse(text)
+            stored, left = _held(store.get(entry_name(vault_id)))
             if stored is not None and (point.seq <= stored.seq or (left and not lifted)):
                 return stored
             try:
@@ -153,7 +161,7 @@ def replace(store: Store, vault_id: str, point: Point | None) -> None:
         forget(store, vault_id)
         return
     for _ in range(RACE_TRIES):
-        read(store, vault_id)  # the version a check-and-set write is against
+        store.get(entry_name(vault_id))  # the version a check-and-set write is against
         try:
             store.set(entry_name(vault_id), encode(point))
         except Raced:
@@ -170,14 +178,10 @@ def leave(store: Store, vault_id: str) -> None:
     move back replaces the mark (`replace`); `restore` and `accept` clear it on purpose
     (`advance` past it)."""
     for _ in range(RACE_TRIES):
-        text = store.get(entry_name(vault_id))
-        if text is None:
-            return  # nothing recorded there: the move's record did not get through
-        try:
-            point, left = _parse(text)
-        except ValueError:
-            return  # not memvault's: judged as no anchor (a window, as before the move)
-        if left:
+        # Nothing recorded there (the move's record did not get through), or only an
+        # entry memvault did not write: nothing to mark, a window as before the move.
+        point, left = _held(store.get(entry_name(vault_id)))
+        if point is None or left:
             return
         try:
             store.set(entry_name(vault_id), encode(point, left=True))

@@ -29,7 +29,6 @@ from vault.keyjournal import CURRENT, PENDING, RETAINED, ROTATING_FROM, entry_na
 from vault.keyload import refuse_revoked
 from vault.keys import KeyStore, require_key
 from vault.keysource.store import (
-    DEFAULT_MOUNT,
     KEYRING,
     MOUNT,
     SOURCE,
@@ -37,6 +36,8 @@ from vault.keysource.store import (
     TransitStore,
     anchor_store,
     init_store,
+    mount_of,
+    serves,
     wrapped_row,
 )
 
@@ -58,8 +59,7 @@ def _busy(vault: AnyVault) -> VaultBusy:
 
 def _names(meta: dict[str, str]) -> tuple[str, str | None]:
     """The vault's source as its meta names it, and its mount (None for the keyring)."""
-    source = meta.get(SOURCE, KEYRING)
-    return source, None if source == KEYRING else meta.get(MOUNT, DEFAULT_MOUNT)
+    return meta.get(SOURCE, KEYRING), mount_of(meta)
 
 
 def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, Any]:
@@ -71,9 +71,10 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     vault_id, old_source = meta["vault_id"], _names(meta)
     new_source = (KEYRING, None) if new is None else (f"transit:{new.key_name}", new.mount)
     out: dict[str, Any] = {"vault_id": vault_id, "from": old_source[0], "to": new_source[0]}
-    if old_source == new_source:
-        # Already there (or a move cut off after its switch): only the tidy is left.
-        _record_left(vault)
+    # A move cut off after its switch: the source it left is recorded and marked now,
+    # here too before a move elsewhere (that move's rerun can no longer do it).
+    _record_left(vault)
+    if old_source == new_source:  # already there: only the tidy is left
         return {**out, "moved": [], "already": True, **_tidy(vault, meta)}
     old_ks = vault.keystore
     versions = vault.key_versions()
@@ -168,6 +169,8 @@ def _leave(vault: AnyVault, left: KeyStore) -> None:
     vault.record_anchor(left)
     if vault.backend != "sqlite" or not isinstance(left, TransitStore):
         return  # a PostgreSQL vault has no anchor yet
+    if serves(left, vault.meta()):
+        return  # the file names that source again (an `accept` since): not left
     with contextlib.suppress(VaultError):  # out of reach: a rerun of the move marks it
         chainanchor.leave(anchor_store(left), vault.vault_id)
 

@@ -9,6 +9,7 @@ subprocesses for the hosts, which hold only a token."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from pathlib import Path
@@ -47,16 +48,28 @@ def rolled_back(proc: object) -> bool:
 
 
 def vault_id_of(db: Path) -> str:
-    with sqlite3.connect(db) as conn:
+    # Closed at once: a connection left open would make `restore` find the file in use.
+    with contextlib.closing(sqlite3.connect(db)) as conn:
         (vid,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
     return str(vid)
 
 
+# How the attacker gives the rows back: as they were, or naming the same mount otherwise
+# (no row: the default mount; a trailing slash, as `bao secrets list` spells it).
+GIVEN = {
+    "as-they-were": lambda rows: rows,
+    "no-mount-row": lambda rows: {k: v for k, v in rows.items() if k != "transit_mount"},
+    "slash": lambda rows: {**rows, "transit_mount": rows["transit_mount"] + "/"},
+}
+
+
+@pytest.mark.parametrize("given", GIVEN)
 def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
-    key: str, tmp_path: Path, vault_db: Path
+    key: str, tmp_path: Path, vault_db: Path, given: str
 ) -> None:
     """The copy is newer than the point the move back left in the service; the mark
-    there says the vault is no longer a transit vault, so no host takes it."""
+    there says the vault is no longer a transit vault, so no host takes it. Accepted on
+    purpose, it is a transit vault again: a rerun of the move to it is no alarm."""
     db, op = str(vault_db), operator_env(tmp_path)
     assert cli_at(db, op, "init").returncode == 0
     assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
@@ -68,7 +81,7 @@ def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
     older = copy_of(vault_db, tmp_path / "keyring-days.db")
     keyring_write(db, op, "s1", "k2, the turn a rollback takes away")
     put_back(older, vault_db)
-    give_rows(vault_db, transit_rows)
+    give_rows(vault_db, GIVEN[given](transit_rows))
 
     assert rolled_back(cli_at(db, host, "--json", "verify"))
     assert "older than the state memvault recorded" in one_line(cli_at(db, host, "show", "s1"), 1)
@@ -80,6 +93,9 @@ def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
     assert cli_at(db, host, "verify").returncode == 0
     assert host_write(db, host, "s1", "after") == ["through the service", "k1", "after"]
     assert not chainanchor.floor(service(key), vault_id_of(vault_db)).left
+    again = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
+    assert again.returncode == 0 and json.loads(again.stdout)["already"], again.stderr
+    assert cli_at(db, host, "verify").returncode == 0
 
 
 def test_the_keyring_a_move_leaves_is_not_marked(key: str, tmp_path: Path, vault_db: Path) -> None:
@@ -153,3 +169,65 @@ def test_a_copy_of_the_file_a_restore_from_another_source_replaced_is_told(
 
     assert rolled_back(cli_at(db, host, "--json", "verify"))
     one_line(cli_at(db, host, "show", "s1"), 1)
+
+
+@pytest.mark.parametrize(("made", "moved"), [("transit", "transit/"), ("/transit", "transit")])
+def test_a_move_to_the_same_key_with_its_mount_spelled_otherwise_is_no_alarm(
+    key: str, tmp_path: Path, vault_db: Path, made: str, moved: str
+) -> None:
+    db, op = str(vault_db), operator_env(tmp_path)
+    init = cli_at(db, op, "init", "--key-source", f"transit:{key}", "--transit-mount", made)
+    assert init.returncode == 0, init.stderr
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    again = cli_at(db, op, "--json", "key", "move", f"transit:{key}", "--transit-mount", moved)
+    assert again.returncode == 0 and json.loads(again.stdout)["already"], again.stderr
+    assert cli_at(db, host, "verify").returncode == 0
+    assert not chainanchor.floor(service(key), vault_id_of(vault_db)).left
+
+
+def test_a_move_cut_off_after_its_switch_then_made_elsewhere_still_marks_the_first_key(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """The cut-off move can no longer be run again once the vault has moved on: the next
+    move, whatever its target, marks the key the cut-off one left."""
+    second = baoserver.key_name()
+    try:
+        db, op = str(vault_db), operator_env(tmp_path)
+        assert cli_at(db, op, "init", "--key-source", f"transit:{key}").returncode == 0
+        host = host_env(tmp_path, baoserver.host_token(key))
+        host_write(db, host, "s1", "t1")
+        first_rows = source_rows(db)
+        cut = cli_at(
+            db, {**op, "MEMVAULT_FAILPOINT": "key-move-after-switch"}, "key", "move", "keyring"
+        )
+        assert cut.returncode < 0, cut.stderr  # killed just after its switch committed
+        keyring_write(db, op, "s1", "k1")
+        assert cli_at(db, op, "key", "move", f"transit:{second}").returncode == 0
+        other = host_env(tmp_path, baoserver.host_token(second))
+        host_write(db, other, "s1", "b1")
+        older = copy_of(vault_db, tmp_path / "older.db")
+        host_write(db, other, "s1", "b2, the turn a rollback takes away")
+        put_back(older, vault_db)
+        give_rows(vault_db, first_rows)
+        assert rolled_back(cli_at(db, host, "--json", "verify"))
+    finally:
+        baoserver.admin_transit(second).delete_key()
+
+
+def test_an_anchor_entry_memvault_did_not_write_is_no_unexpected_error(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """Judged as no anchor yet, as every reader takes it, and written over by the next
+    record: no command stops on it."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init", "--key-source", f"transit:{key}").returncode == 0
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    anchors, name = service(key), chainanchor.entry_name(vault_id_of(vault_db))
+    anchors.get(name)
+    anchors.set(name, "a1.5.zz.left")
+    for args in (["verify"], ["show", "s1"]):
+        proc = cli_at(db, host, *args)
+        assert proc.returncode == 0 and "unexpected" not in proc.stderr, proc.stderr
+    assert chainanchor.read(service(key), vault_id_of(vault_db)) is not None

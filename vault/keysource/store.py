@@ -54,7 +54,13 @@ def source_of(meta: dict[str, str]) -> str:
 def same_source(a: dict[str, str], b: dict[str, str]) -> bool:
     """Whether two vaults' metas name the same key source: the keyring, or one transit
     key at one mount (so wrapped versions from one unwrap under the other)."""
-    return all(a.get(k) == b.get(k) for k in (SOURCE, MOUNT))
+    return a.get(SOURCE, KEYRING) == b.get(SOURCE, KEYRING) and mount_of(a) == mount_of(b)
+
+
+def mount_of(meta: dict[str, str]) -> str | None:
+    """A transit vault's mount as the service spells it (`transit/`, an absent row: the
+    default), so that two spellings of one mount are one source; None: the keyring."""
+    return meta.get(MOUNT, DEFAULT_MOUNT).strip("/") if is_transit(meta) else None
 
 
 def is_transit(meta: dict[str, str]) -> bool:
@@ -99,7 +105,7 @@ class TransitStore(KeyStore):
     ) -> None:
         # Not KeyStore's: no keyring backend is looked for.
         self.key_name = key_name
-        self.mount = mount
+        self.mount = mount.strip("/")  # as mount_of, and the service, spell it
         self.wrapped = wrapped
         self._transit: Transit | None = None
         self._prewrapped: dict[str, tuple[str, str]] = {}  # entry -> (key id, wrapped)
@@ -212,12 +218,7 @@ class TransitStore(KeyStore):
 def refuse_moved(ks: KeyStore, meta: dict[str, str], path: object) -> None:
     """A rotation about to switch: VaultBusy if `key move` switched the vault to another
     key source since `ks` was chosen (its new key would land in the old source)."""
-    name = parse_source(meta.get(SOURCE, KEYRING))
-    if isinstance(ks, TransitStore):
-        same = name == ks.key_name and meta.get(MOUNT, DEFAULT_MOUNT) == ks.mount
-    else:
-        same = name is None
-    if not same:
+    if not serves(ks, meta):
         from vault.errors import VaultBusy
 
         raise VaultBusy(
@@ -322,7 +323,7 @@ def serves(ks: KeyStore, meta: dict[str, str]) -> bool:
     """Whether `ks` is the key source `meta` names (a `key move` may have run since the
     store was chosen: the anchor went with it)."""
     if isinstance(ks, TransitStore):
-        return ks.source_rows() == {SOURCE: meta.get(SOURCE), MOUNT: meta.get(MOUNT)}
+        return meta.get(SOURCE) == f"transit:{ks.key_name}" and mount_of(meta) == ks.mount
     return not is_transit(meta)
 
 

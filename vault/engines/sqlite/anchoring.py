@@ -131,7 +131,7 @@ class Anchored:
         from vault import chainanchor, chainops
         from vault.engines.sqlite import vaulthead
 
-        with contextlib.suppress(VaultError, sqlite3.Error, OSError):
+        with contextlib.suppress(VaultError, sqlite3.Error, OSError, ValueError):
             store = anchor_store(into or self.keystore)
             with self._snapshot_meta() as (conn, meta):
                 # The file's own key source, read now: a `key move` may have run since
