@@ -43,6 +43,7 @@ from vault.keysource.store import (
 
 if TYPE_CHECKING:
     from vault.engine import AnyVault
+    from vault.results import KeyVersionInfo
 
 NEEDED = (CURRENT, RETAINED)
 
@@ -117,7 +118,7 @@ def move(vault: AnyVault, target: str, mount: str | None = None) -> dict[str, An
     for k in drop:
         switched.pop(k, None)
     switched.update(put)
-    return {**out, "moved": sorted(keys), "already": False, **_tidy(vault, switched)}
+    return {**out, "moved": sorted(keys), "already": False, **_tidy(vault, switched, versions)}
 
 
 def _into(
@@ -186,9 +187,13 @@ def _carry_anchor(old: KeyStore, new: KeyStore, vault_id: str) -> None:
     chainanchor.replace(anchor_store(new), vault_id, point)
 
 
-def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:
+def _tidy(
+    vault: AnyVault, meta: dict[str, str], versions: list[KeyVersionInfo] | None = None
+) -> dict[str, Any]:
     """Delete this host's keyring entries of a vault whose keys now live wrapped, except
-    the versions a recorded backup (a keyring copy) still reads through them."""
+    the versions a recorded backup (a keyring copy) still reads through them. `versions`:
+    as read before the switch (after it, `vault`'s store is the source it left, which
+    cannot unwrap the keys wrapped by another transit key)."""
     nothing: dict[str, Any] = {"removed_from_keyring": [], "kept_in_keyring": []}
     if meta.get(SOURCE, KEYRING) == KEYRING:
         if meta.get(CHAIN_META) == ON:  # the anchor lives beside the keys (a keyring's)
@@ -200,7 +205,7 @@ def _tidy(vault: AnyVault, meta: dict[str, str]) -> dict[str, Any]:
     except KeyProblem:
         return nothing  # no keyring on this host: nothing of the vault can be in it
     vault_id = meta["vault_id"]
-    versions = vault.key_versions()
+    versions = versions if versions is not None else vault.key_versions()
     kept = sorted(v.kid for v in versions if v.backups and ks.get(entry_name(vault_id, v.kid)))
     removed = []
     for v in versions:

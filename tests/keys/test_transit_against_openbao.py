@@ -6,6 +6,7 @@ admin token, as an operator would.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -303,3 +304,25 @@ def test_neither_the_key_nor_the_token_reaches_the_logs(
     secrets_ = [master, data_key, token] + [base64.b64encode(r).decode() for r in raw]
     assert caplog.records  # the client did log (requests' connection lines)
     assert not [s for s in secrets_ if s in caplog.text]
+
+
+@pytest.mark.secret_service
+def test_a_move_between_two_transit_keys_on_a_host_with_a_keyring_finishes(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """After the switch the tidy of this host's keyring reads the versions as they were
+    before it: the source left cannot unwrap what the new key wrapped."""
+    from tests.keys.test_transit_vaults import cli_at, host_env, host_write, operator_env
+
+    second = baoserver.key_name()
+    try:
+        db, op = str(vault_db), operator_env(tmp_path)
+        assert cli_at(db, op, "init", "--key-source", f"transit:{key}").returncode == 0
+        moved = cli_at(db, op, "--json", "key", "move", f"transit:{second}")
+        assert moved.returncode == 0, moved.stderr
+        assert json.loads(moved.stdout)["already"] is False
+        host = host_env(tmp_path, baoserver.host_token(second))
+        assert host_write(db, host, "s1", "through the second key") == ["through the second key"]
+        assert cli_at(db, host, "verify").returncode == 0
+    finally:
+        baoserver.admin_transit(second).delete_key()
