@@ -35,12 +35,16 @@ from vault.chain import (
 )
 from vault.chaincheck import Tamper
 
-VAULT_HEAD_VERSION = "v1"
+VAULT_HEAD_VERSION = "v2"  # sealed with the key source the file names
+# Written before 0.3 binds the source: still read, never written (the next write seals
+# v2). Such a head vouches for no source: docs/history-chain.md, "Key source".
+UNBOUND_VERSION = "v1"
 # A vault head starts at seq 1: its point (chainanchor) is then never the anchor's
 # "chained" mark, Point(0, ZERO), so an anchor past that mark says a vault head exists.
 FIRST_SEQ = 1
 _TERM_DOMAIN = b"memvault chain vault term v1"
-_VAULT_HEAD_DOMAIN = b"memvault chain vault head v1"
+_UNBOUND_DOMAIN = b"memvault chain vault head v1"
+_VAULT_HEAD_DOMAIN = b"memvault chain vault head v2"
 _BACKUP_DOMAIN = b"memvault chain backup point v2"
 BACKUP_POINT_VERSION = "b2"
 ZERO = bytes(MAC_BYTES)
@@ -65,12 +69,13 @@ class VaultHead:
     seq: int
     digest: bytes
     mac: bytes
+    version: str = VAULT_HEAD_VERSION
 
     def point(self) -> Point:
         return Point(self.seq, self.digest)
 
     def encode(self) -> str:
-        parts = [VAULT_HEAD_VERSION, self.kid, str(self.seq), hex_text(self.digest)]
+        parts = [self.version, self.kid, str(self.seq), hex_text(self.digest)]
         return ".".join([*parts, hex_text(self.mac)])
 
     @classmethod
@@ -78,7 +83,10 @@ class VaultHead:
         if text is None:
             return None
         parts = text.split(".")
-        if len(parts) != 5 or parts[0] != VAULT_HEAD_VERSION or not crypto.looks_like_kid(parts[1]):
+        version = parts[0]
+        if len(parts) != 5 or version not in (VAULT_HEAD_VERSION, UNBOUND_VERSION):
+            return None
+        if not crypto.looks_like_kid(parts[1]):
             return None
         try:
             seq, digest, mac = count_of(parts[2]), unhex(parts[3]), unhex(parts[4])
@@ -86,7 +94,7 @@ class VaultHead:
             return None
         if len(digest) != MAC_BYTES or len(mac) != MAC_BYTES:
             return None
-        return cls(parts[1], seq, digest, mac)
+        return cls(parts[1], seq, digest, mac, version)
 
 
 def term(key: ChainKey, session_id: str, anchor: Anchor | None) -> bytes:
@@ -98,13 +106,21 @@ def term(key: ChainKey, session_id: str, anchor: Anchor | None) -> bytes:
     return key.mac(data + anchor.last)
 
 
-def _sealed(key: ChainKey, seq: int, digest: bytes) -> VaultHead:
+def _sealed(key: ChainKey, seq: int, digest: bytes, source: str) -> VaultHead:
+    """`source` is the key source the file's meta names (vault.engines.sqlite.vaulthead
+    `bound_source`): rows that no MAC covers, so a copy given another source's rows no
+    longer matches its own vault head."""
     data = fields(_VAULT_HEAD_DOMAIN, utf8(key.vault_id), utf8(key.kid), num(seq), digest)
-    return VaultHead(key.kid, seq, digest, key.mac(data))
+    return VaultHead(key.kid, seq, digest, key.mac(data + fields(utf8(source))))
 
 
-def vault_head_ok(key: ChainKey, vh: VaultHead) -> bool:
-    return key.kid == vh.kid and _hmac.compare_digest(_sealed(key, vh.seq, vh.digest).mac, vh.mac)
+def vault_head_ok(key: ChainKey, vh: VaultHead, source: str) -> bool:
+    if key.kid != vh.kid:
+        return False
+    if vh.version == UNBOUND_VERSION:
+        data = fields(_UNBOUND_DOMAIN, utf8(key.vault_id), utf8(key.kid), num(vh.seq), vh.digest)
+        return _hmac.compare_digest(key.mac(data), vh.mac)
+    return _hmac.compare_digest(_sealed(key, vh.seq, vh.digest, source).mac, vh.mac)
 
 
 def digest_of(key: ChainKey, heads: Mapping[str, Head]) -> bytes:
@@ -115,63 +131,75 @@ def digest_of(key: ChainKey, heads: Mapping[str, Head]) -> bytes:
     return out
 
 
-def new_vault_head(key: ChainKey, heads: Mapping[str, Head] | None = None) -> VaultHead:
+def new_vault_head(
+    key: ChainKey, source: str, heads: Mapping[str, Head] | None = None
+) -> VaultHead:
     """The vault head over `heads` (none: an empty vault), at FIRST_SEQ."""
-    return _sealed(key, FIRST_SEQ, digest_of(key, heads or {}))
+    return _sealed(key, FIRST_SEQ, digest_of(key, heads or {}), source)
 
 
-def matches(key: ChainKey, vh: VaultHead, heads: Mapping[str, Head]) -> bool:
+def matches(key: ChainKey, vh: VaultHead, heads: Mapping[str, Head], source: str) -> bool:
     """Whether `vh` authenticates under `key` and sums exactly these heads. Each head's
     own MAC is its session's check (vault.chaincheck), not this one: a forged head is
     named there, and its term, keyed, cannot be made to fit the digest."""
-    return vault_head_ok(key, vh) and _hmac.compare_digest(digest_of(key, heads), vh.digest)
+    return vault_head_ok(key, vh, source) and _hmac.compare_digest(digest_of(key, heads), vh.digest)
 
 
 def rekey(
-    old: ChainKey, new: ChainKey, vh: VaultHead, heads: Mapping[str, Head]
+    old: ChainKey, new: ChainKey, vh: VaultHead, heads: Mapping[str, Head], source: str
 ) -> VaultHead | None:
     """The vault head under a rotation's new key, one write later; None when it does not
     match `heads` under the old one (it is then kept as it is, and still reported)."""
-    if not matches(old, vh, heads):
+    if not matches(old, vh, heads, source):
         return None
-    return _sealed(new, vh.seq + 1, digest_of(new, heads))
+    return _sealed(new, vh.seq + 1, digest_of(new, heads), source)
 
 
 def accepted(
-    key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head], past: int = 0
+    key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head], source: str, past: int = 0
 ) -> VaultHead:
     """The vault head over the heads as they stand, on purpose (`memvault accept`, a
     `restore`): one write past the stored head and past `past`, the anchor's `seq`, so
     that the state taken is newer than anything recorded of the vault."""
-    return _sealed(key, max(0 if vh is None else vh.seq, past) + 1, digest_of(key, heads))
+    seq = max(0 if vh is None else vh.seq, past) + 1
+    return _sealed(key, seq, digest_of(key, heads), source)
 
 
 def moved(
-    key: ChainKey, vh: VaultHead, session_id: str, before: Head | None, after: Head | None
+    key: ChainKey,
+    vh: VaultHead,
+    session_id: str,
+    before: Head | None,
+    after: Head | None,
+    source: str,
 ) -> VaultHead:
     """The vault head after one write moved a session's head from `before` to `after`
     (None: no head), in the write's own transaction."""
-    if not vault_head_ok(key, vh):
+    if not vault_head_ok(key, vh, source):
         raise ValueError("the vault head does not authenticate")
     old = term(key, session_id, None if before is None else before.anchor())
     new = term(key, session_id, None if after is None else after.anchor())
-    return _sealed(key, vh.seq + 1, _xor(_xor(vh.digest, old), new))
+    return _sealed(key, vh.seq + 1, _xor(_xor(vh.digest, old), new), source)
 
 
-def stepped(key: ChainKey, vh: VaultHead) -> VaultHead | None:
-    """The same state one write later (a `key move`'s switch: every point recorded of the
-    vault before it is then behind the file); None when `vh` does not authenticate.
-    The digest is kept as it is: a mismatch stays one."""
-    return _sealed(key, vh.seq + 1, vh.digest) if vault_head_ok(key, vh) else None
+def stepped(key: ChainKey, vh: VaultHead, source: str, to: str) -> VaultHead | None:
+    """The same state one write later, sealed for the source `to` (a `key move`'s switch:
+    every point recorded of the vault before it is then behind the file); None when
+    `vh` does not authenticate for `source`. The digest is kept: a mismatch stays one."""
+    return _sealed(key, vh.seq + 1, vh.digest, to) if vault_head_ok(key, vh, source) else None
 
 
 def judge(
-    key: ChainKey, vh: VaultHead | None, heads: Mapping[str, Head], anchor: Point | None = None
+    key: ChainKey,
+    vh: VaultHead | None,
+    heads: Mapping[str, Head],
+    source: str,
+    anchor: Point | None = None,
 ) -> Tamper | None:
     """What is wrong with the vault as a whole, or None. `heads` are the sessions'
-    stored heads (each judged on its own by vault.chaincheck); `anchor` is the point
-    kept outside the file, if any."""
-    if vh is None or not vault_head_ok(key, vh):
+    stored heads (each judged on its own by vault.chaincheck); `source` the key source
+    the file names; `anchor` is the point kept outside the file, if any."""
+    if vh is None or not vault_head_ok(key, vh, source):
         return Tamper.UNAUTHENTICATED
     if any(not head_ok(key, sid, h) for sid, h in heads.items()):
         return Tamper.UNAUTHENTICATED

@@ -80,7 +80,7 @@ def test_two_recorders_at_once_keep_the_newer_point_in_the_keyring() -> None:
 
 
 def test_a_file_behind_its_anchor_is_judged_rolled_back() -> None:
-    from tests.security.test_vault_head import Vault
+    from tests.security.test_vault_head import SRC, Vault
 
     v = Vault()
     v.apply("a", ("add", 2))
@@ -92,7 +92,7 @@ def test_a_file_behind_its_anchor_is_judged_rolled_back() -> None:
         anchor = chainanchor.read(ks, vault_id)
         assert v.judge(anchor=anchor) is None
         older_heads = v.history[-1][0]
-        rolled = chainvault.judge(v.key, older, older_heads, anchor=anchor)
+        rolled = chainvault.judge(v.key, older, older_heads, SRC, anchor=anchor)
         assert rolled is not None and rolled.value == "the whole vault put back from an older copy"
     finally:
         chainanchor.forget(ks, vault_id)

@@ -20,9 +20,12 @@ from tests import baoserver
 from tests.keys.test_key_move import keyring_write, source_rows
 from tests.keys.test_transit_vaults import cli_at, host_env, host_write, operator_env
 from tests.security.test_transit_anchor import one_line, service
+from tests.security.test_vault_head import unbound
 from tests.security.test_whole_file_rollback import copy_of, put_back
-from vault import chainanchor
+from vault import chain, chainanchor
 from vault.chaincheck import Tamper
+from vault.chainvault import VaultHead
+from vault.keyjournal import entry_name
 from vault.keys import KeyStore
 
 pytestmark = [pytest.mark.secret_service, *baoserver.MARKS]
@@ -47,11 +50,37 @@ def rolled_back(proc: object) -> bool:
     return Tamper.FILE_ROLLED_BACK.value in json.loads(stdout)["details"]["history_chain"][0]
 
 
+def mismatched(proc: object) -> bool:
+    stdout = getattr(proc, "stdout", "")
+    assert getattr(proc, "returncode", None) == 1, stdout + getattr(proc, "stderr", "")
+    return Tamper.VAULT_MISMATCH.value in json.loads(stdout)["details"]["history_chain"][0]
+
+
 def vault_id_of(db: Path) -> str:
     # Closed at once: a connection left open would make `restore` find the file in use.
     with contextlib.closing(sqlite3.connect(db)) as conn:
         (vid,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
     return str(vid)
+
+
+def keyring_master(db: Path) -> str:
+    """The vault's current master key, from this host's keyring (the test's own)."""
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    master = KeyStore().get(entry_name(meta["vault_id"], meta["kid"]))
+    assert master is not None
+    return str(master)
+
+
+def made_by_0_2(copy: Path, master: str) -> None:
+    """The copy's vault head as 0.2 sealed it, bound to no key source: a copy made
+    before this release, which only the anchor's mark tells."""
+    with contextlib.closing(sqlite3.connect(copy, isolation_level=None)) as conn:
+        (text,) = conn.execute("SELECT head FROM memvault_vault_head").fetchone()
+        vh = VaultHead.decode(text)
+        assert vh is not None and vh.version == "v2"
+        old = unbound(chain.chain_key(master, vault_id_of(copy)), vh)
+        conn.execute("UPDATE memvault_vault_head SET head = ?", (old.encode(),))
 
 
 # How the attacker gives the rows back: as they were, or naming the same mount otherwise
@@ -63,12 +92,17 @@ GIVEN = {
 }
 
 
-@pytest.mark.parametrize("given", GIVEN)
+@pytest.mark.parametrize(
+    ("given", "made_by"),
+    [("as-they-were", "0.2"), ("no-mount-row", "0.2"), ("slash", "0.2"), ("as-they-were", "0.3")],
+)
 def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
-    key: str, tmp_path: Path, vault_db: Path, given: str
+    key: str, tmp_path: Path, vault_db: Path, given: str, made_by: str
 ) -> None:
-    """The copy is newer than the point the move back left in the service; the mark
-    there says the vault is no longer a transit vault, so no host takes it. Accepted on
+    """The copy is newer than the point the move back left in the service. Its vault
+    head, sealed for the keyring, does not match the rows naming the transit key; one
+    made by 0.2 is bound to no source, and the mark the move back left in the service
+    tells it: the vault is no longer a transit vault, so no host takes it. Accepted on
     purpose, it is a transit vault again: a rerun of the move to it is no alarm."""
     db, op = str(vault_db), operator_env(tmp_path)
     assert cli_at(db, op, "init").returncode == 0
@@ -79,12 +113,20 @@ def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
     assert cli_at(db, op, "key", "move", "keyring").returncode == 0
     keyring_write(db, op, "s1", "k1")
     older = copy_of(vault_db, tmp_path / "keyring-days.db")
+    if made_by == "0.2":
+        made_by_0_2(older, keyring_master(vault_db))
     keyring_write(db, op, "s1", "k2, the turn a rollback takes away")
     put_back(older, vault_db)
     give_rows(vault_db, GIVEN[given](transit_rows))
 
-    assert rolled_back(cli_at(db, host, "--json", "verify"))
-    assert "older than the state memvault recorded" in one_line(cli_at(db, host, "show", "s1"), 1)
+    refused = cli_at(db, host, "--json", "verify")
+    if made_by == "0.2":
+        assert rolled_back(refused)
+        says = "older than the state memvault recorded"
+    else:
+        assert mismatched(refused)
+        says = "do not match its vault head"
+    assert says in one_line(cli_at(db, host, "show", "s1"), 1)
     one_line(cli_at(db, host, "pop", "s1", "--yes"), 1)
     # Taken on purpose, it is a transit vault again, and no longer marked.
     accepted = cli_at(db, host, "--json", "accept", "--yes")
@@ -96,6 +138,62 @@ def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
     again = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
     assert again.returncode == 0 and json.loads(again.stdout)["already"], again.stderr
     assert cli_at(db, host, "verify").returncode == 0
+
+
+def test_a_transit_days_copy_given_the_keyring_days_rows_is_told_on_a_host_keeping_the_key(
+    key: str, tmp_path: Path, vault_db: Path
+) -> None:
+    """This host keeps the key in its keyring for a backup, and its keyring's anchor is
+    the point of the move (unmarked: a keyring is one host's). The copy is past that
+    point; its vault head, sealed for the transit key, no longer matches the rows that
+    name the keyring. Accepted on purpose, it is a keyring vault again."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    keyring_rows = source_rows(db)
+    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
+    moved = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
+    assert moved.returncode == 0 and json.loads(moved.stdout)["kept_in_keyring"], moved.stderr
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    older = copy_of(vault_db, tmp_path / "transit-days.db")
+    host_write(db, host, "s1", "t2, the turn a rollback takes away")
+    put_back(older, vault_db)
+    give_rows(vault_db, keyring_rows)
+
+    assert mismatched(cli_at(db, op, "--json", "verify"))
+    assert "do not match its vault head" in one_line(cli_at(db, op, "show", "s1"), 1)
+    one_line(cli_at(db, op, "pop", "s1", "--yes"), 1)
+    accepted = cli_at(db, op, "--json", "accept", "--yes")
+    assert accepted.returncode == 0, accepted.stderr
+    assert json.loads(accepted.stdout)["matched"] is False
+    assert keyring_write(db, op, "s1", "after") == ["k1", "t1", "after"]
+    assert cli_at(db, op, "verify").returncode == 0
+
+
+def test_rows_changed_to_name_another_source_under_an_open_vault_are_told(
+    key: str, tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process loaded its key through the transit key; the file's rows then name
+    the keyring, which keeps a version of the same key on this host. Its next judgment
+    reads the rows in its own snapshot, and the vault head was sealed for the transit
+    key."""
+    from vault import Vault
+
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    keyring_rows = source_rows(db)
+    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
+    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "t1")
+    monkeypatch.setenv("VAULT_ADDR", op["VAULT_ADDR"])
+    monkeypatch.setenv("VAULT_TOKEN", op["VAULT_TOKEN"])
+    opened = Vault.open(db)
+    opened.sealer()
+    assert opened.history_verdict("s1") is None
+    give_rows(vault_db, keyring_rows)
+    assert opened.history_verdict("s1") == Tamper.VAULT_MISMATCH.value
 
 
 def test_the_keyring_a_move_leaves_is_not_marked(key: str, tmp_path: Path, vault_db: Path) -> None:
@@ -203,10 +301,12 @@ def test_a_move_cut_off_after_its_switch_then_made_elsewhere_still_marks_the_fir
         )
         assert cut.returncode < 0, cut.stderr  # killed just after its switch committed
         keyring_write(db, op, "s1", "k1")
+        master = keyring_master(vault_db)
         assert cli_at(db, op, "key", "move", f"transit:{second}").returncode == 0
         other = host_env(tmp_path, baoserver.host_token(second))
         host_write(db, other, "s1", "b1")
         older = copy_of(vault_db, tmp_path / "older.db")
+        made_by_0_2(older, master)  # only the mark tells it (sealed now, its head would)
         host_write(db, other, "s1", "b2, the turn a rollback takes away")
         put_back(older, vault_db)
         give_rows(vault_db, first_rows)

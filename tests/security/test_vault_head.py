@@ -18,6 +18,8 @@ from vault import chain, chainvault, crypto
 from vault.chaincheck import Tamper
 from vault.chainvault import Point, VaultHead
 
+SRC = "keyring@"  # the key source the vault heads here are sealed for
+TRANSIT = "transit:days@transit"
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 OPS = st.lists(
     st.tuples(
@@ -40,7 +42,7 @@ class Vault:
         master = crypto.generate_key()
         self.sessions = {sid: Session.new(sid, master=master) for sid in "abc"}
         self.key = self.sessions["a"].key
-        self.vh = chainvault.new_vault_head(self.key)
+        self.vh = chainvault.new_vault_head(self.key, SRC)
         self.history: list[tuple[dict[str, chain.Head], VaultHead]] = []
 
     def heads(self) -> dict[str, chain.Head]:
@@ -52,10 +54,23 @@ class Vault:
         before = s.head
         s.apply(op)
         if s.head != before:
-            self.vh = chainvault.moved(self.key, self.vh, sid, before, s.head)
+            self.vh = chainvault.moved(self.key, self.vh, sid, before, s.head, SRC)
 
     def judge(self, heads: dict[str, chain.Head] | None = None, **kw: Any) -> Tamper | None:
-        return chainvault.judge(self.key, self.vh, self.heads() if heads is None else heads, **kw)
+        heads = self.heads() if heads is None else heads
+        return chainvault.judge(self.key, self.vh, heads, SRC, **kw)
+
+
+def unbound(key: chain.ChainKey, vh: VaultHead) -> VaultHead:
+    """`vh` as 0.2 sealed it (v1): its MAC over the same fields, bound to no key source."""
+    data = chain.fields(
+        b"memvault chain vault head v1",
+        chain.utf8(key.vault_id),
+        chain.utf8(key.kid),
+        chain.num(vh.seq),
+        vh.digest,
+    )
+    return VaultHead(vh.kid, vh.seq, vh.digest, key.mac(data), "v1")
 
 
 @pytest.fixture
@@ -99,9 +114,10 @@ def test_a_session_removed_or_added_whole_is_a_rollback(busy: Vault) -> None:
 
 def test_a_whole_file_put_back_is_told_only_by_the_point_kept_outside(busy: Vault) -> None:
     heads, vh = busy.history[-2]
-    older = chainvault.judge(busy.key, vh, heads)
+    older = chainvault.judge(busy.key, vh, heads, SRC)
     assert older is None  # consistent on its own
-    assert chainvault.judge(busy.key, vh, heads, anchor=busy.vh.point()) is Tamper.FILE_ROLLED_BACK
+    rolled = chainvault.judge(busy.key, vh, heads, SRC, anchor=busy.vh.point())
+    assert rolled is Tamper.FILE_ROLLED_BACK
     # A point at the same seq with another digest: a fork, not the live vault.
     fork = Point(busy.vh.seq, bytes(chain.MAC_BYTES))
     assert busy.judge(anchor=fork) is Tamper.FILE_ROLLED_BACK
@@ -114,11 +130,10 @@ def test_an_edited_or_missing_vault_head_is_unauthenticated(busy: Vault) -> None
         VaultHead(busy.vh.kid, busy.vh.seq, bytes(chain.MAC_BYTES), busy.vh.mac),
         None,
     ):
-        assert chainvault.judge(busy.key, vh, busy.heads()) is Tamper.UNAUTHENTICATED
+        assert chainvault.judge(busy.key, vh, busy.heads(), SRC) is Tamper.UNAUTHENTICATED
     with pytest.raises(ValueError):
-        chainvault.moved(
-            busy.key, VaultHead(busy.vh.kid, 9, busy.vh.digest, busy.vh.mac), "a", None, None
-        )
+        edited = VaultHead(busy.vh.kid, 9, busy.vh.digest, busy.vh.mac)
+        chainvault.moved(busy.key, edited, "a", None, None, SRC)
 
 
 @pytest.mark.parametrize("seq", ["9223372036854775808", "18446744073709551616", "01", "x"])
@@ -136,14 +151,45 @@ def test_a_rotation_sums_the_vault_head_afresh_under_the_new_key(busy: Vault) ->
         again = chain.remac_head(busy.key, new, sid, head)
         assert again is not None
         moved_heads[sid] = again
-    vh = chainvault.rekey(busy.key, new, busy.vh, busy.heads())
+    vh = chainvault.rekey(busy.key, new, busy.vh, busy.heads(), SRC)
     assert vh is not None
-    assert chainvault.judge(new, vh, moved_heads) is None
+    assert chainvault.judge(new, vh, moved_heads, SRC) is None
     assert vh.seq == busy.vh.seq + 1 and vh.kid == new.kid
     # A rollback to before the rotation is behind the point taken after it.
-    assert chainvault.judge(busy.key, busy.vh, busy.heads(), anchor=vh.point()) is (
+    assert chainvault.judge(busy.key, busy.vh, busy.heads(), SRC, anchor=vh.point()) is (
         Tamper.FILE_ROLLED_BACK
     )
     stale = dict(busy.heads())
     del stale["a"]
-    assert chainvault.rekey(busy.key, new, busy.vh, stale) is None
+    assert chainvault.rekey(busy.key, new, busy.vh, stale, SRC) is None
+
+
+def test_a_vault_head_vouches_only_for_the_key_source_it_was_sealed_for(busy: Vault) -> None:
+    # The source rows are no MAC's: a copy given another source's rows is told.
+    assert chainvault.vault_head_ok(busy.key, busy.vh, SRC)
+    assert chainvault.judge(busy.key, busy.vh, busy.heads(), TRANSIT) is Tamper.UNAUTHENTICATED
+    with pytest.raises(ValueError):
+        chainvault.moved(busy.key, busy.vh, "a", None, None, TRANSIT)
+    assert chainvault.stepped(busy.key, busy.vh, TRANSIT, SRC) is None
+    # A key move's step seals it for the source it moves to, and for that one only.
+    moved = chainvault.stepped(busy.key, busy.vh, SRC, TRANSIT)
+    assert moved is not None and moved.seq == busy.vh.seq + 1
+    assert chainvault.judge(busy.key, moved, busy.heads(), TRANSIT) is None
+    assert chainvault.judge(busy.key, moved, busy.heads(), SRC) is Tamper.UNAUTHENTICATED
+
+
+def test_a_vault_head_from_before_the_source_was_bound_is_read_and_sealed_anew(
+    busy: Vault,
+) -> None:
+    old = unbound(busy.key, busy.vh)
+    assert VaultHead.decode(old.encode()) == old
+    assert chainvault.judge(busy.key, old, busy.heads(), SRC) is None
+    assert chainvault.judge(busy.key, old, busy.heads(), TRANSIT) is None  # vouches for none
+    # Its next write seals it for the source: v2 from then on, the binding in force.
+    after = chainvault.moved(busy.key, old, "c", None, None, SRC)
+    assert after.version == "v2" and after.encode().startswith("v2.")
+    assert chainvault.vault_head_ok(busy.key, after, SRC)
+    assert not chainvault.vault_head_ok(busy.key, after, TRANSIT)
+    # A v2 head relabelled v1 does not authenticate: the binding cannot be stripped.
+    relabelled = VaultHead(after.kid, after.seq, after.digest, after.mac, "v1")
+    assert not chainvault.vault_head_ok(busy.key, relabelled, TRANSIT)

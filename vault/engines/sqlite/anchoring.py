@@ -173,12 +173,16 @@ class Anchored:
         key = chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"])
         vaulthead.refuse_behind(conn, key, floor, session_id, str(self.path))
 
-    def step_vault_head(self, conn: sqlite3.Connection, sealer: crypto.Sealer) -> None:
-        """Inside a write transaction: the vault head one write on (vaulthead.step)."""
+    def step_vault_head(
+        self, conn: sqlite3.Connection, sealer: crypto.Sealer, to: dict[str, str]
+    ) -> None:
+        """Inside a write transaction: the vault head one write on, sealed for the key
+        source the meta `to` names (vaulthead.step)."""
         from vault import chainops
         from vault.engines.sqlite import vaulthead
 
-        vaulthead.step(conn, chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"]))
+        key = chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"])
+        vaulthead.step(conn, key, to)
 
     @contextlib.contextmanager
     def _snapshot_meta(self) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:

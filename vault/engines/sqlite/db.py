@@ -286,15 +286,16 @@ class VaultFile(MetaKeys):
             staged = conn.execute("SELECT 1 FROM memvault_keys WHERE state = 'pending'")
             if any(meta.get(k) != v for k, v in expect.items()) or staged.fetchone():
                 return False
-            self.before_switch(conn)
+            self.before_switch(conn, {k: v for k, v in meta.items() if k not in drop} | put)
             conn.executemany("DELETE FROM memvault_meta WHERE key = ?", [(k,) for k in drop])
             set_meta(conn, **put)
             audit(conn, event, meta["kid"], **details)
         return True
 
-    def before_switch(self, conn: sqlite3.Connection) -> None:
-        """What `switch_meta` checks in its transaction besides `expect`: nothing here
-        (the key-holding vault's refuses a file put back from an older copy)."""
+    def before_switch(self, conn: sqlite3.Connection, after: dict[str, str]) -> None:
+        """What `switch_meta` checks in its transaction besides `expect`, the meta being
+        switched to `after`: nothing here (the key-holding vault's refuses a file put back
+        from an older copy, and seals its vault head for the source `after` names)."""
 
     def audit_log(self) -> list[dict[str, Any]]:
         with self.connection() as conn:

@@ -239,14 +239,15 @@ class KeyLifecycle(KeptVersions, Anchored):
             self.anchor_floor()
         return super().switch_meta(expect, put, drop, event, details)
 
-    def before_switch(self, conn: sqlite3.Connection) -> None:
+    def before_switch(self, conn: sqlite3.Connection, after: dict[str, str]) -> None:
         """A `key move` refuses a file put back from an older copy (carried past its
-        anchor, the rollback would be lost), and steps the vault head once: the source
-        it leaves then records that point, and a copy of the file from before the move
-        is behind it."""
+        anchor, the rollback would be lost), and steps the vault head once, sealed for
+        the source it moves to: the source it leaves then records that point, a copy of
+        the file from before the move is behind it, and one given the other source's
+        meta rows no longer matches its vault head."""
         if self._sealer is not None:  # loaded by `switch_meta` (a move holds every key)
             self.refuse_behind(conn, self._sealer)
-            self.step_vault_head(conn, self._sealer)
+            self.step_vault_head(conn, self._sealer, after)
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it switched."""

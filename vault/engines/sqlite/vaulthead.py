@@ -25,6 +25,7 @@ from vault.chainvault import Point, VaultHead
 from vault.engines.sqlite.db import set_meta
 from vault.engines.sqlite.schema import GUARD_MESSAGE, session_exists_sql
 from vault.errors import HistoryTampered
+from vault.keysource.store import KEYRING, MOUNT, SOURCE, mount_of
 
 HEADS_TABLE = "memvault_chain_heads"
 VAULT_HEAD_TABLE = "memvault_vault_head"  # one row, id 1 (schema m010)
@@ -37,7 +38,7 @@ _TABLE_SQL = (
 # head over the very same heads is the same verdict, so a read pays one SELECT of the
 # heads, not an HMAC per session. Every head is compared, not only the reader's: a
 # session and the vault head put back together are told only by the others' heads.
-_VOUCHED: dict[tuple[str, str], dict[str, str]] = {}
+_VOUCHED: dict[tuple[str, str, str], dict[str, str]] = {}
 _VOUCHED_MAX = 8
 
 
@@ -56,6 +57,21 @@ def chained(conn: sqlite3.Connection) -> bool:
     head says so too: one is written only as a build ends, so a file that has one and
     says otherwise (its meta row rewritten or deleted) is judged as chained."""
     return chain_state(conn) == ON or exists(conn)
+
+
+def bound_source(meta: Mapping[str, str]) -> str:
+    """The key source a vault head is sealed with: the one these meta rows name, its
+    mount spelled as the service spells it. The rows are no MAC's, so a copy given
+    another source's rows (to be opened through it) no longer matches its vault head."""
+    rows = dict(meta)
+    return f"{rows.get(SOURCE, KEYRING)}@{mount_of(rows) or ''}"
+
+
+def _bound(conn: sqlite3.Connection) -> str:
+    """`bound_source` of the file's meta, in the caller's transaction or snapshot: the
+    one a `key move` switched together with the vault head."""
+    sql = "SELECT key, value FROM memvault_meta WHERE key IN (?, ?)"
+    return bound_source({str(k): str(v) for k, v in conn.execute(sql, (SOURCE, MOUNT))})
 
 
 def file_kid(conn: sqlite3.Connection) -> str:
@@ -121,7 +137,7 @@ def move(
     try:
         if vh is None:
             raise ValueError("no vault head")
-        _write(conn, chainvault.moved(key, vh, session_id, before, after))
+        _write(conn, chainvault.moved(key, vh, session_id, before, after, _bound(conn)))
     except ValueError:
         raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where) from None
 
@@ -129,7 +145,7 @@ def move(
 def start(conn: sqlite3.Connection, key: ChainKey) -> None:
     """The file is chained from here: its vault head sums the heads it has (none for a
     new vault), and the meta says so, in the same transaction."""
-    _write(conn, chainvault.new_vault_head(key, _decoded(stored_heads(conn))))
+    _write(conn, chainvault.new_vault_head(key, _bound(conn), _decoded(stored_heads(conn))))
     set_meta(conn, **{CHAIN_META: ON})
 
 
@@ -138,16 +154,18 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
     first under the old one against `heads` as they were before the switch re-MACed
     them. One that does not match is kept as it is: still reported, never laundered."""
     vh = VaultHead.decode(_stored(conn))
-    moved = None if vh is None else chainvault.rekey(old, new, vh, _decoded(heads))
+    moved = None if vh is None else chainvault.rekey(old, new, vh, _decoded(heads), _bound(conn))
     if moved is not None:
         _write(conn, moved)
 
 
-def step(conn: sqlite3.Connection, key: ChainKey) -> None:
-    """One write past the stored vault head, its digest kept (`chainvault.stepped`);
-    nothing when none authenticates under `key`."""
+def step(conn: sqlite3.Connection, key: ChainKey, to: Mapping[str, str]) -> None:
+    """One write past the stored vault head, its digest kept (`chainvault.stepped`), sealed
+    for the source the meta `to` names (a `key move`'s, before its switch writes them);
+    nothing when none authenticates under `key` for the source the file names now."""
     vh = VaultHead.decode(_stored(conn))
-    stepped = None if vh is None else chainvault.stepped(key, vh)
+    source = _bound(conn)
+    stepped = None if vh is None else chainvault.stepped(key, vh, source, bound_source(to))
     if stepped is not None:
         _write(conn, stepped)
 
@@ -163,13 +181,13 @@ def verdict(
     key = None if vh is None else keys.get(vh.kid)
     if text is None or vh is None or key is None:
         return Tamper.VAULT_MISMATCH
-    heads = stored_heads(conn)
-    if _VOUCHED.get((key.vault_id, text)) != heads:
-        if not chainvault.matches(key, vh, _decoded(heads)):
+    heads, source = stored_heads(conn), _bound(conn)
+    if _VOUCHED.get((key.vault_id, source, text)) != heads:
+        if not chainvault.matches(key, vh, _decoded(heads), source):
             return Tamper.VAULT_MISMATCH
         if len(_VOUCHED) >= _VOUCHED_MAX:
             _VOUCHED.clear()
-        _VOUCHED[(key.vault_id, text)] = heads
+        _VOUCHED[(key.vault_id, source, text)] = heads
     if floor is not None and not floor.passes(vh.point()):
         return Tamper.FILE_ROLLED_BACK
     return None
@@ -190,7 +208,7 @@ def authentic(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> VaultHe
     whatever the file holds now (what the anchor and a backup's seal record)."""
     vh = VaultHead.decode(_stored(conn))
     key = None if vh is None else keys.get(vh.kid)
-    if vh is None or key is None or not chainvault.vault_head_ok(key, vh):
+    if vh is None or key is None or not chainvault.vault_head_ok(key, vh, _bound(conn)):
         return None
     return vh
 
@@ -226,11 +244,11 @@ def accept(
                 sid,
                 Tamper.UNAUTHENTICATED.value,
             )
-    vh = VaultHead.decode(_stored(conn))
+    vh, source = VaultHead.decode(_stored(conn)), _bound(conn)
     conn.execute(_TABLE_SQL)
-    matched = vh is not None and chainvault.matches(key, vh, decoded)
+    matched = vh is not None and chainvault.matches(key, vh, decoded, source)
     if vh is not None and anchor is not None and chainvault.behind(vh.point(), anchor):
         matched = False
     past = 0 if anchor is None else anchor.seq
-    _write(conn, chainvault.accepted(key, vh, decoded, past))
+    _write(conn, chainvault.accepted(key, vh, decoded, source, past))
     return len(heads), matched
