@@ -95,14 +95,16 @@ def read(store: Store, vault_id: str) -> Point | None:
     return None if text is None else decode(text)
 
 
-def floor(store: Store, vault_id: str) -> Floor:
+def floor(store: Store, vault_id: str, *, named: bool = True) -> Floor:
     """The live file's floor: the anchor as it is now (none yet: a floor that passes the
-    first point it is shown). ValueError for an entry memvault did not write."""
+    first point it is shown). `named`: whether the file still names the source `store`
+    is; a left mark is about such a file only (a process may have chosen its source
+    before a `key move` left it). ValueError for an entry memvault did not write."""
     text = store.get(entry_name(vault_id))
     if text is None:
         return Floor()
     point, left = _parse(text)
-    return Floor(point, left=left)
+    return Floor(point, left=left and named)
 
 
 def advance(store: Store, vault_id: str, point: Point, *, lifted: bool = False) -> Point:

@@ -36,8 +36,8 @@ from vault.keysource.store import (
     TransitStore,
     anchor_store,
     init_store,
+    marked_left,
     mount_of,
-    serves,
     wrapped_row,
 )
 
@@ -168,12 +168,12 @@ def _leave(vault: AnyVault, left: KeyStore) -> None:
     in a keyring: it is one host's, and that host would go on refusing the vault after
     it came back to the keyring through another host."""
     vault.record_anchor(left)
-    if vault.backend != "sqlite" or not isinstance(left, TransitStore):
+    if vault.backend != "sqlite":
         return  # a PostgreSQL vault has no anchor yet
-    if serves(left, vault.meta()):
-        return  # the file names that source again (an `accept` since): not left
-    with contextlib.suppress(VaultError):  # out of reach: a rerun of the move marks it
-        chainanchor.leave(anchor_store(left), vault.vault_id)
+    meta = vault.meta()
+    if marked_left(left, meta):  # not if the file names it again (an `accept` since)
+        with contextlib.suppress(VaultError):  # out of reach: a rerun of the move marks it
+            chainanchor.leave(anchor_store(left), meta["vault_id"])
 
 
 def _carry_anchor(old: KeyStore, new: KeyStore, vault_id: str) -> None:

@@ -19,7 +19,7 @@ import pytest
 from tests import baoserver
 from tests.keys.test_key_move import keyring_write, source_rows
 from tests.keys.test_transit_vaults import cli_at, host_env, host_write, operator_env
-from tests.security.test_transit_anchor import one_line, service
+from tests.security.test_transit_anchor import one_line, service, told, vault_id
 from tests.security.test_vault_head import unbound
 from tests.security.test_whole_file_rollback import copy_of, put_back
 from vault import chain, chainanchor
@@ -44,23 +44,19 @@ def give_rows(db: Path, rows: dict[str, str]) -> None:
         conn.close()
 
 
-def rolled_back(proc: object) -> bool:
-    stdout = getattr(proc, "stdout", "")
-    assert getattr(proc, "returncode", None) == 1, stdout + getattr(proc, "stderr", "")
-    return Tamper.FILE_ROLLED_BACK.value in json.loads(stdout)["details"]["history_chain"][0]
-
-
-def mismatched(proc: object) -> bool:
-    stdout = getattr(proc, "stdout", "")
-    assert getattr(proc, "returncode", None) == 1, stdout + getattr(proc, "stderr", "")
-    return Tamper.VAULT_MISMATCH.value in json.loads(stdout)["details"]["history_chain"][0]
-
-
-def vault_id_of(db: Path) -> str:
-    # Closed at once: a connection left open would make `restore` find the file in use.
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        (vid,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
-    return str(vid)
+def moved_keeping_the_keyrings_key(
+    db: str, op: dict[str, str], key: str, tmp_path: Path
+) -> dict[str, str]:
+    """A keyring vault with one turn, backed up, then moved to the transit key `key`:
+    this host's keyring keeps the key for the backup. Returns the keyring days' source
+    rows, as an attacker with the file can keep them."""
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    rows = source_rows(db)
+    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
+    moved = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
+    assert moved.returncode == 0 and json.loads(moved.stdout)["kept_in_keyring"], moved.stderr
+    return rows
 
 
 def keyring_master(db: Path) -> str:
@@ -79,7 +75,7 @@ def made_by_0_2(copy: Path, master: str) -> None:
         (text,) = conn.execute("SELECT head FROM memvault_vault_head").fetchone()
         vh = VaultHead.decode(text)
         assert vh is not None and vh.version == "v2"
-        old = unbound(chain.chain_key(master, vault_id_of(copy)), vh)
+        old = unbound(chain.chain_key(master, vault_id(copy)), vh)
         conn.execute("UPDATE memvault_vault_head SET head = ?", (old.encode(),))
 
 
@@ -121,10 +117,10 @@ def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
 
     refused = cli_at(db, host, "--json", "verify")
     if made_by == "0.2":
-        assert rolled_back(refused)
+        told(refused)
         says = "older than the state memvault recorded"
     else:
-        assert mismatched(refused)
+        told(refused, Tamper.VAULT_MISMATCH)
         says = "do not match its vault head"
     assert says in one_line(cli_at(db, host, "show", "s1"), 1)
     one_line(cli_at(db, host, "pop", "s1", "--yes"), 1)
@@ -134,7 +130,7 @@ def test_a_keyring_days_copy_given_the_transit_days_rows_is_told(
     assert json.loads(accepted.stdout)["matched"] is False
     assert cli_at(db, host, "verify").returncode == 0
     assert host_write(db, host, "s1", "after") == ["through the service", "k1", "after"]
-    assert not chainanchor.floor(service(key), vault_id_of(vault_db)).left
+    assert not chainanchor.floor(service(key), vault_id(vault_db)).left
     again = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
     assert again.returncode == 0 and json.loads(again.stdout)["already"], again.stderr
     assert cli_at(db, host, "verify").returncode == 0
@@ -148,12 +144,7 @@ def test_a_transit_days_copy_given_the_keyring_days_rows_is_told_on_a_host_keepi
     point; its vault head, sealed for the transit key, no longer matches the rows that
     name the keyring. Accepted on purpose, it is a keyring vault again."""
     db, op = str(vault_db), operator_env(tmp_path)
-    assert cli_at(db, op, "init").returncode == 0
-    keyring_write(db, op, "s1", "k1")
-    keyring_rows = source_rows(db)
-    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
-    moved = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
-    assert moved.returncode == 0 and json.loads(moved.stdout)["kept_in_keyring"], moved.stderr
+    keyring_rows = moved_keeping_the_keyrings_key(db, op, key, tmp_path)
     host = host_env(tmp_path, baoserver.host_token(key))
     host_write(db, host, "s1", "t1")
     older = copy_of(vault_db, tmp_path / "transit-days.db")
@@ -161,7 +152,7 @@ def test_a_transit_days_copy_given_the_keyring_days_rows_is_told_on_a_host_keepi
     put_back(older, vault_db)
     give_rows(vault_db, keyring_rows)
 
-    assert mismatched(cli_at(db, op, "--json", "verify"))
+    told(cli_at(db, op, "--json", "verify"), Tamper.VAULT_MISMATCH)
     assert "do not match its vault head" in one_line(cli_at(db, op, "show", "s1"), 1)
     one_line(cli_at(db, op, "pop", "s1", "--yes"), 1)
     accepted = cli_at(db, op, "--json", "accept", "--yes")
@@ -181,11 +172,7 @@ def test_rows_changed_to_name_another_source_under_an_open_vault_are_told(
     from vault import Vault
 
     db, op = str(vault_db), operator_env(tmp_path)
-    assert cli_at(db, op, "init").returncode == 0
-    keyring_write(db, op, "s1", "k1")
-    keyring_rows = source_rows(db)
-    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
-    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    keyring_rows = moved_keeping_the_keyrings_key(db, op, key, tmp_path)
     host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "t1")
     monkeypatch.setenv("VAULT_ADDR", op["VAULT_ADDR"])
     monkeypatch.setenv("VAULT_TOKEN", op["VAULT_TOKEN"])
@@ -201,12 +188,8 @@ def test_the_keyring_a_move_leaves_is_not_marked(key: str, tmp_path: Path, vault
     after the vault came back to the keyring through another host, since this host
     keeps a version of the key for a backup. The recorded point stays, unmarked."""
     db, op = str(vault_db), operator_env(tmp_path)
-    assert cli_at(db, op, "init").returncode == 0
-    keyring_write(db, op, "s1", "k1")
-    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
-    moved = cli_at(db, op, "--json", "key", "move", f"transit:{key}")
-    assert moved.returncode == 0 and json.loads(moved.stdout)["kept_in_keyring"], moved.stderr
-    kept = chainanchor.floor(KeyStore(), vault_id_of(vault_db))
+    moved_keeping_the_keyrings_key(db, op, key, tmp_path)
+    kept = chainanchor.floor(KeyStore(), vault_id(vault_db))
     assert kept.point is not None and not kept.left
 
 
@@ -234,11 +217,8 @@ def test_a_restore_over_a_source_whose_anchor_memvault_did_not_write_succeeds(
     key: str, tmp_path: Path, vault_db: Path
 ) -> None:
     db, op = str(vault_db), operator_env(tmp_path)
-    assert cli_at(db, op, "init").returncode == 0
-    keyring_write(db, op, "s1", "k1")
-    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
-    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
-    anchors, name = service(key), chainanchor.entry_name(vault_id_of(vault_db))
+    moved_keeping_the_keyrings_key(db, op, key, tmp_path)
+    anchors, name = service(key), chainanchor.entry_name(vault_id(vault_db))
     anchors.get(name)  # the version its check-and-set write is against
     anchors.set(name, "a2.5.zz")
     restored = cli_at(db, op, "restore", str(tmp_path / "b.db"), "--yes")
@@ -253,10 +233,7 @@ def test_a_copy_of_the_file_a_restore_from_another_source_replaced_is_told(
     """A keyring backup restored over the vault's transit days: the transit file, put
     back, is judged by the service's anchor, which the restore marked as left."""
     db, op = str(vault_db), operator_env(tmp_path)
-    assert cli_at(db, op, "init").returncode == 0
-    keyring_write(db, op, "s1", "k1")
-    assert cli_at(db, op, "backup", str(tmp_path / "b.db")).returncode == 0
-    assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+    moved_keeping_the_keyrings_key(db, op, key, tmp_path)
     host = host_env(tmp_path, baoserver.host_token(key))
     host_write(db, host, "s1", "t1")
     transit_days = copy_of(vault_db, tmp_path / "transit-days.db")
@@ -265,7 +242,7 @@ def test_a_copy_of_the_file_a_restore_from_another_source_replaced_is_told(
     assert cli_at(db, op, "verify").returncode == 0
     put_back(transit_days, vault_db)
 
-    assert rolled_back(cli_at(db, host, "--json", "verify"))
+    told(cli_at(db, host, "--json", "verify"))
     one_line(cli_at(db, host, "show", "s1"), 1)
 
 
@@ -281,7 +258,7 @@ def test_a_move_to_the_same_key_with_its_mount_spelled_otherwise_is_no_alarm(
     again = cli_at(db, op, "--json", "key", "move", f"transit:{key}", "--transit-mount", moved)
     assert again.returncode == 0 and json.loads(again.stdout)["already"], again.stderr
     assert cli_at(db, host, "verify").returncode == 0
-    assert not chainanchor.floor(service(key), vault_id_of(vault_db)).left
+    assert not chainanchor.floor(service(key), vault_id(vault_db)).left
 
 
 def test_a_move_cut_off_after_its_switch_then_made_elsewhere_still_marks_the_first_key(
@@ -310,7 +287,7 @@ def test_a_move_cut_off_after_its_switch_then_made_elsewhere_still_marks_the_fir
         host_write(db, other, "s1", "b2, the turn a rollback takes away")
         put_back(older, vault_db)
         give_rows(vault_db, first_rows)
-        assert rolled_back(cli_at(db, host, "--json", "verify"))
+        told(cli_at(db, host, "--json", "verify"))
     finally:
         baoserver.admin_transit(second).delete_key()
 
@@ -324,10 +301,10 @@ def test_an_anchor_entry_memvault_did_not_write_is_no_unexpected_error(
     assert cli_at(db, op, "init", "--key-source", f"transit:{key}").returncode == 0
     host = host_env(tmp_path, baoserver.host_token(key))
     host_write(db, host, "s1", "t1")
-    anchors, name = service(key), chainanchor.entry_name(vault_id_of(vault_db))
+    anchors, name = service(key), chainanchor.entry_name(vault_id(vault_db))
     anchors.get(name)
     anchors.set(name, "a1.5.zz.left")
     for args in (["verify"], ["show", "s1"]):
         proc = cli_at(db, host, *args)
         assert proc.returncode == 0 and "unexpected" not in proc.stderr, proc.stderr
-    assert chainanchor.read(service(key), vault_id_of(vault_db)) is not None
+    assert chainanchor.read(service(key), vault_id(vault_db)) is not None

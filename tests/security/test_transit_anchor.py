@@ -6,6 +6,7 @@ the operator, real `memvault` subprocesses for hosts that hold only a token."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import subprocess
@@ -56,12 +57,16 @@ def service(key: str) -> ServiceAnchor:
 def vault_id(db: Path) -> str:
     import sqlite3
 
-    conn = sqlite3.connect(db)
-    try:
+    # Closed at once: a connection left open would make `restore` find the file in use.
+    with contextlib.closing(sqlite3.connect(db)) as conn:
         (vid,) = conn.execute("SELECT value FROM memvault_meta WHERE key = 'vault_id'").fetchone()
-    finally:
-        conn.close()
     return str(vid)
+
+
+def told(proc: subprocess.CompletedProcess[str], kind: Tamper = Tamper.FILE_ROLLED_BACK) -> None:
+    """`verify --json` exited 1, and its first history problem is of `kind`."""
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert kind.value in json.loads(proc.stdout)["details"]["history_chain"][0], proc.stdout
 
 
 def one_line(proc: subprocess.CompletedProcess[str], code: int) -> str:
@@ -85,10 +90,7 @@ def test_a_transit_file_put_back_from_an_older_copy_is_told_on_every_host(
 
     other = host_env(tmp_path, baoserver.host_token(key))
     verdict = cli_at(db, other, "--json", "verify")
-    assert verdict.returncode == 1, verdict.stderr
-    assert (
-        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
-    )
+    told(verdict)
     assert "older than the state memvault recorded" in one_line(cli_at(db, other, "show", "s1"), 1)
     session = subprocess.run(
         [sys.executable, "-c", SESSION_READS, db, "s1"],
@@ -224,10 +226,7 @@ def test_a_copy_from_the_vaults_transit_days_put_back_after_it_moved_back_is_tol
     put_back(transit_days, vault_db)
 
     verdict = cli_at(db, host, "--json", "verify")
-    assert verdict.returncode == 1, verdict.stderr
-    assert (
-        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
-    )
+    told(verdict)
     one_line(cli_at(db, host, "pop", "s1", "--yes"), 1)
 
 
@@ -355,10 +354,7 @@ def test_a_copy_from_the_keyring_days_put_back_after_a_move_to_transit_is_told(
     host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "t1")
     put_back(keyring_days, vault_db)
     verdict = cli_at(db, op, "--json", "verify")
-    assert verdict.returncode == 1, verdict.stdout + verdict.stderr
-    assert (
-        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
-    )
+    told(verdict)
 
 
 def test_a_move_back_cut_off_after_its_switch_and_run_again_still_tells_a_transit_days_copy(
@@ -381,7 +377,4 @@ def test_a_move_back_cut_off_after_its_switch_and_run_again_still_tells_a_transi
     keyring_write(db, op, "s1", "on the keyring")
     put_back(transit_days, vault_db)
     verdict = cli_at(db, host, "--json", "verify")
-    assert verdict.returncode == 1, verdict.stdout + verdict.stderr
-    assert (
-        Tamper.FILE_ROLLED_BACK.value in json.loads(verdict.stdout)["details"]["history_chain"][0]
-    )
+    told(verdict)

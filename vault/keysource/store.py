@@ -12,9 +12,15 @@ drop the meta whole, on both engines, with no migration.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-from vault.errors import BadInput
+from vault.errors import (
+    BadInput,
+    KeyProblem,
+    KeySourceDenied,
+    KeySourceUnavailable,
+    VaultBusy,
+)
 from vault.keys import KeyStore
 
 if TYPE_CHECKING:
@@ -170,8 +176,6 @@ class TransitStore(KeyStore):
         """The meta rows a new vault holds: its source, and its first key wrapped. Creates
         the transit key (deletion allowed) if it does not exist yet; a wrap that fails
         then takes that key away again (`drop_created_key`), and the line says so."""
-        from vault.errors import KeyProblem, KeySourceDenied
-
         transit = self.transit()
         transit.check_usable()
         self._created_key = transit.ensure_key()
@@ -194,8 +198,6 @@ class TransitStore(KeyStore):
         if not self._created_key:
             return "no vault was created"
         self._created_key = False
-        from vault.errors import KeyProblem, KeySourceDenied
-
         transit = self.transit()
         name, mount = transit.key_name, transit.mount
         try:
@@ -219,8 +221,6 @@ def refuse_moved(ks: KeyStore, meta: dict[str, str], path: object) -> None:
     """A rotation about to switch: VaultBusy if `key move` switched the vault to another
     key source since `ks` was chosen (its new key would land in the old source)."""
     if not serves(ks, meta):
-        from vault.errors import VaultBusy
-
         raise VaultBusy(
             f"{path} moved to another key source while the rotation began; nothing was "
             "rotated; run `memvault rotate` again"
@@ -273,8 +273,6 @@ def entry_for_import(ks: KeyStore, name: str) -> str | None:
     the same name) is "", something else, which the kit's key then replaces."""
     if not isinstance(ks, TransitStore):
         return ks.get(name)
-    from vault.errors import KeyProblem, KeySourceDenied, KeySourceUnavailable
-
     try:
         return ks.get(name)
     except (KeySourceUnavailable, KeySourceDenied):
@@ -299,8 +297,6 @@ def host_keyring(ks: KeyStore) -> KeyStore | None:
     no usable keyring (it holds nothing memvault could read either)."""
     if not isinstance(ks, TransitStore):
         return None
-    from vault.errors import KeyProblem
-
     local = KeyStore()
     try:
         local.check_usable()
@@ -317,6 +313,14 @@ def anchor_store(ks: KeyStore) -> Store:
 
         return ServiceAnchor(ks.transit())
     return ks
+
+
+def marked_left(ks: KeyStore | None, meta: dict[str, str]) -> TypeGuard[TransitStore]:
+    """Whether a source the vault's keys left, `ks`, gets its anchor marked so
+    (chainanchor.leave): a key service's only, which every host reads (a keyring is one
+    host's: marked, it would refuse the vault there after it came back through another
+    host), and only while the file, `meta`, no longer names it."""
+    return isinstance(ks, TransitStore) and not serves(ks, meta)
 
 
 def serves(ks: KeyStore, meta: dict[str, str]) -> bool:
@@ -379,8 +383,6 @@ def revoke_source(ks: KeyStore) -> dict[str, str]:
     revoked all the same: every host refuses it)."""
     if not isinstance(ks, TransitStore):
         return {}
-    from vault.errors import KeySourceDenied
-
     transit = ks.transit()
     try:
         transit.delete_key()

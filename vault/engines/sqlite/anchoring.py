@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from vault import backupmark
 from vault.engines.sqlite.db import read_meta, set_meta
 from vault.errors import VaultError
-from vault.keysource.store import TransitStore, anchor_store, serves
+from vault.keysource.store import anchor_store, marked_left, serves
 
 # The chain's modules are imported where used: every command loads this one (a base of
 # `Vault`), few judge or record a vault head.
@@ -73,14 +73,9 @@ def floor_for(
     if backupmark.is_backup(meta) and not at_its_source(meta, path):
         return backup_floor(meta, sealer)
     try:
-        floor = chainanchor.floor(anchor_store(ks), meta["vault_id"])
+        return chainanchor.floor(anchor_store(ks), meta["vault_id"], named=serves(ks, meta))
     except ValueError:  # an entry memvault did not write: judged as no anchor yet
         return Floor()
-    if floor.left and not serves(ks, meta):
-        # This object chose its source before a `key move` that has since left it: the
-        # file no longer names it, so the mark is not about this file.
-        floor.left = False
-    return floor
 
 
 # `head_reader`'s: a file's vault head point, None when none authenticates (or no key).
@@ -173,16 +168,16 @@ class Anchored:
         key = chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"])
         vaulthead.refuse_behind(conn, key, floor, session_id, str(self.path))
 
-    def step_vault_head(
+    def switch_vault_head(
         self, conn: sqlite3.Connection, sealer: crypto.Sealer, to: dict[str, str]
     ) -> None:
-        """Inside a write transaction: the vault head one write on, sealed for the key
-        source the meta `to` names (vaulthead.step)."""
+        """Inside a `key move`'s switch: `refuse_behind`, then the vault head one write
+        on, sealed for the key source the meta `to` names (vaulthead.step)."""
         from vault import chainops
         from vault.engines.sqlite import vaulthead
 
-        key = chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"])
-        vaulthead.step(conn, key, to)
+        self.refuse_behind(conn, sealer)
+        vaulthead.step(conn, chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"]), to)
 
     @contextlib.contextmanager
     def _snapshot_meta(self) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:
@@ -264,7 +259,7 @@ def seal_backup(
     set_meta(conn, **{backupmark.BACKUP_POINT: sealed})
 
 
-def source_of(live: Anchored) -> KeyStore | None:
+def replaced_source(live: Anchored) -> KeyStore | None:
     """For `restore`: the key source of the file it replaces, None out of reach."""
     try:
         return live.keystore
@@ -286,6 +281,6 @@ def anchor_restored(restored: Anchored, unchained: bool, left: KeyStore | None) 
         with contextlib.suppress(VaultError):
             restored.sealer()
         restored.record_anchor(lifted=True)
-    if isinstance(left, TransitStore) and not serves(left, meta):  # as keymove._leave
+    if marked_left(left, meta):  # as keymove._leave
         with contextlib.suppress(VaultError):  # out of reach: that source's window stays
             chainanchor.leave(anchor_store(left), meta["vault_id"])

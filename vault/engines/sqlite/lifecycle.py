@@ -246,8 +246,7 @@ class KeyLifecycle(KeptVersions, Anchored):
         the file from before the move is behind it, and one given the other source's
         meta rows no longer matches its vault head."""
         if self._sealer is not None:  # loaded by `switch_meta` (a move holds every key)
-            self.refuse_behind(conn, self._sealer)
-            self.step_vault_head(conn, self._sealer, after)
+            self.switch_vault_head(conn, self._sealer, after)
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it switched."""

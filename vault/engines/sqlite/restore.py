@@ -48,7 +48,7 @@ from vault.engines.sqlite.anchoring import (
     anchor_restored,
     head_reader,
     past_the_anchor,
-    source_of,
+    replaced_source,
 )
 from vault.engines.sqlite.backup import refuse_unbackable
 from vault.engines.sqlite.db import (
@@ -227,7 +227,7 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
     paths.ensure_private_folder(folder)
     replaced = Vault(live) if plan.replaces else None
     head = head_reader(replaced) if replaced is not None and not plan.unchained else None
-    left = source_of(replaced) if replaced is not None else None
+    left = replaced_source(replaced) if replaced is not None else None
     with folder_lock(folder, wait=True) as held:
         if not held:
             raise OperationFailed(f"cannot lock the folder {folder}; nothing was changed")
