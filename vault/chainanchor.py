@@ -95,16 +95,17 @@ def read(store: Store, vault_id: str) -> Point | None:
     return None if text is None else decode(text)
 
 
-def floor(store: Store, vault_id: str, *, named: bool = True) -> Floor:
+def floor(store: Store, vault_id: str, *, named: bool = True, source: str | None = None) -> Floor:
     """The live file's floor: the anchor as it is now (none yet: a floor that passes the
     first point it is shown). `named`: whether the file still names the source `store`
     is; a left mark is about such a file only (a process may have chosen its source
-    before a `key move` left it). ValueError for an entry memvault did not write."""
+    before a `key move` left it). `source`: that key source, which the file must go on
+    naming to be judged by this floor. ValueError for an entry memvault did not write."""
     text = store.get(entry_name(vault_id))
     if text is None:
-        return Floor()
+        return Floor(source=source)
     point, left = _parse(text)
-    return Floor(point, left=left and named)
+    return Floor(point, left=left and named, source=source)
 
 
 def advance(store: Store, vault_id: str, point: Point, *, lifted: bool = False) -> Point:
@@ -234,11 +235,17 @@ class Floor:
     (`leave`); no vault head passes it until `lift`."""
 
     def __init__(
-        self, point: Point | None = None, *, exact: bool = False, left: bool = False
+        self,
+        point: Point | None = None,
+        *,
+        exact: bool = False,
+        left: bool = False,
+        source: str | None = None,
     ) -> None:
         self.point = point
         self.exact = exact
         self.left = left
+        self.source = source  # the key source it was read through (vaulthead.store_source)
         self._guard = threading.Lock()  # the SDK's reads run in worker threads
 
     def passes(self, point: Point) -> bool:

@@ -189,6 +189,14 @@ def stepped(key: ChainKey, vh: VaultHead, source: str, to: str) -> VaultHead | N
     return _sealed(key, vh.seq + 1, vh.digest, to) if vault_head_ok(key, vh, source) else None
 
 
+def bound(key: ChainKey, vh: VaultHead, source: str) -> VaultHead | None:
+    """A 0.2 vault head (`UNBOUND_VERSION`) sealed for `source` at the same point, so that
+    the anchor and the backups' seals still name its state; None for any other."""
+    if vh.version != UNBOUND_VERSION or not vault_head_ok(key, vh, source):
+        return None
+    return _sealed(key, vh.seq, vh.digest, source)
+
+
 def judge(
     key: ChainKey,
     vh: VaultHead | None,

@@ -22,7 +22,7 @@ from tests.keys.test_transit_vaults import cli_at, host_env, host_write, operato
 from tests.security.test_transit_anchor import one_line, service, told, vault_id
 from tests.security.test_vault_head import unbound
 from tests.security.test_whole_file_rollback import copy_of, put_back
-from vault import chain, chainanchor
+from vault import chain, chainanchor, chainvault
 from vault.chaincheck import Tamper
 from vault.chainvault import VaultHead
 from vault.keyjournal import entry_name
@@ -77,6 +77,34 @@ def made_by_0_2(copy: Path, master: str) -> None:
         assert vh is not None and vh.version == "v2"
         old = unbound(chain.chain_key(master, vault_id(copy)), vh)
         conn.execute("UPDATE memvault_vault_head SET head = ?", (old.encode(),))
+
+
+def stored_head(db: Path) -> VaultHead:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        (text,) = conn.execute("SELECT head FROM memvault_vault_head").fetchone()
+    vh = VaultHead.decode(text)
+    assert vh is not None
+    return vh
+
+
+def test_a_vault_head_from_0_2_is_bound_to_its_source_by_the_first_command(
+    tmp_path: Path, vault_db: Path
+) -> None:
+    """At the same point, so that the anchor and the backups' seals still name its state:
+    a read-only command does it too, and a copy taken after it is bound."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    made_by_0_2(vault_db, keyring_master(vault_db))
+    before = stored_head(vault_db)
+    assert before.version == "v1"
+    assert cli_at(db, op, "verify").returncode == 0
+    after = stored_head(vault_db)
+    assert after.version == "v2" and after.point() == before.point()
+    assert cli_at(db, op, "verify").returncode == 0
+    key = chain.chain_key(keyring_master(vault_db), vault_id(vault_db))
+    assert chainvault.vault_head_ok(key, after, "keyring@")
+    assert not chainvault.vault_head_ok(key, after, "transit:any@transit")
 
 
 # How the attacker gives the rows back: as they were, or naming the same mount otherwise
@@ -162,25 +190,75 @@ def test_a_transit_days_copy_given_the_keyring_days_rows_is_told_on_a_host_keepi
     assert cli_at(db, op, "verify").returncode == 0
 
 
-def test_rows_changed_to_name_another_source_under_an_open_vault_are_told(
-    key: str, tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+def rebuilt_with_a_second_source_row(db: Path, rows: dict[str, str]) -> None:
+    """`rows` added beside the file's own source rows: the meta table rebuilt without its
+    key, indexed so that a lookup by key and a full scan find the rows in another order
+    (a reader could then choose its key source by one and judge the vault by the other)."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        own = conn.execute("SELECT key, value FROM memvault_meta ORDER BY rowid").fetchall()
+        conn.execute("BEGIN")
+        conn.execute("DROP TABLE memvault_meta")
+        conn.execute("CREATE TABLE memvault_meta (key TEXT, value TEXT NOT NULL)")
+        conn.execute("CREATE INDEX m ON memvault_meta (key, value, value || value)")
+        conn.executemany("INSERT INTO memvault_meta VALUES (?, ?)", [*own, *rows.items()])
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def test_a_copy_given_a_second_source_row_is_told(key: str, tmp_path: Path, vault_db: Path) -> None:
+    db, op = str(vault_db), operator_env(tmp_path)
+    moved_keeping_the_keyrings_key(db, op, key, tmp_path)
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    older = copy_of(vault_db, tmp_path / "transit-days.db")
+    host_write(db, host, "s1", "t2, the turn a rollback takes away")
+    put_back(older, vault_db)
+    rebuilt_with_a_second_source_row(vault_db, {"key_source": "keyring"})
+
+    told(cli_at(db, op, "--json", "verify"), Tamper.VAULT_MISMATCH)
+    one_line(cli_at(db, op, "show", "s1"), 1)
+
+
+@pytest.mark.parametrize("way", ["to-the-keyring", "back-to-transit"])
+def test_a_session_whose_files_source_rows_change_under_it_serves_nothing(
+    key: str, tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
-    """The process loaded its key through the transit key; the file's rows then name
-    the keyring, which keeps a version of the same key on this host. Its next judgment
-    reads the rows in its own snapshot, and the vault head was sealed for the transit
-    key."""
-    from vault import Vault
+    """The session loaded its key and its floor through one source; the file then names
+    the other (the same key, kept in this host's keyring for a backup). Judged by the
+    floor it holds, a copy of the other source's days would pass: it reads nothing and
+    says to open the vault again. `to-the-keyring`: the live file given the keyring's
+    rows. `back-to-transit`: a transit-days copy put back, given the keyring's rows while
+    the session opened (so it chose the keyring and its older point), then its own."""
+    import asyncio
+
+    import vault
+    from vault.errors import VaultBusy
 
     db, op = str(vault_db), operator_env(tmp_path)
     keyring_rows = moved_keeping_the_keyrings_key(db, op, key, tmp_path)
-    host_write(db, host_env(tmp_path, baoserver.host_token(key)), "s1", "t1")
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    transit_rows = source_rows(db)
+    if way == "back-to-transit":
+        older = copy_of(vault_db, tmp_path / "transit-days.db")
+        host_write(db, host, "s1", "t2, the turn a rollback takes away")
+        put_back(older, vault_db)
+        give_rows(vault_db, keyring_rows)
     monkeypatch.setenv("VAULT_ADDR", op["VAULT_ADDR"])
     monkeypatch.setenv("VAULT_TOKEN", op["VAULT_TOKEN"])
-    opened = Vault.open(db)
-    opened.sealer()
-    assert opened.history_verdict("s1") is None
-    give_rows(vault_db, keyring_rows)
-    assert opened.history_verdict("s1") == Tamper.VAULT_MISMATCH.value
+    session = vault.open_session("s1", db)
+    try:
+        give_rows(vault_db, keyring_rows if way == "to-the-keyring" else transit_rows)
+        with pytest.raises(VaultBusy, match="open it again"):
+            asyncio.run(session.get_items())
+        with pytest.raises(VaultBusy, match="open it again"):
+            asyncio.run(session.add_items([{"role": "user", "content": "not written"}]))
+    finally:
+        session.close()
+    if way == "back-to-transit":
+        told(cli_at(db, host, "--json", "verify"))  # opened again: the copy is told
 
 
 def test_the_keyring_a_move_leaves_is_not_marked(key: str, tmp_path: Path, vault_db: Path) -> None:
@@ -197,8 +275,10 @@ def test_a_vault_opened_before_another_process_moved_its_keys_is_no_alarm(
     key: str, tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its floor, read after the move from the service the file then no longer names,
-    is left: the mark is not about this file."""
+    is left, but the mark is not about this file: it is told to open the vault again,
+    not that the vault was tampered with; opened again, it reads."""
     from vault import Vault
+    from vault.errors import VaultBusy
 
     db, op = str(vault_db), operator_env(tmp_path)
     assert cli_at(db, op, "init").returncode == 0
@@ -210,7 +290,9 @@ def test_a_vault_opened_before_another_process_moved_its_keys_is_no_alarm(
     opened.sealer()
     assert cli_at(db, op, "key", "move", "keyring").returncode == 0
     assert chainanchor.floor(service(key), opened.vault_id).left
-    assert opened.history_verdict("s1") is None
+    with pytest.raises(VaultBusy, match="open it again"):
+        opened.history_verdict("s1")
+    assert Vault.open(db).history_verdict("s1") is None
 
 
 def test_a_restore_over_a_source_whose_anchor_memvault_did_not_write_succeeds(

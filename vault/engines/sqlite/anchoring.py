@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from vault.keys import KeyStore
 
 
-def backup_floor(meta: dict[str, str], sealer: crypto.Sealer) -> Floor | None:
+def backup_floor(
+    meta: dict[str, str], sealer: crypto.Sealer, through: str | None = None
+) -> Floor | None:
     """A backup's floor: the point sealed into it, exact; one whose seal does not
     authenticate (made for another state or place) is judged by a point no vault head
     has. None for a backup with no seal: made where its key could not be loaded (a copy
@@ -49,7 +51,7 @@ def backup_floor(meta: dict[str, str], sealer: crypto.Sealer) -> Floor | None:
     keys = chainops.keys_for(sealer, meta["vault_id"])
     backup_id, source = meta.get(backupmark.BACKUP_ID, ""), meta.get(backupmark.BACKUP_FROM, "")
     point = chainvault.backup_point(keys, backup_id, source, text)
-    return Floor(point or Point(-1, b""), exact=True)
+    return Floor(point or Point(-1, b""), exact=True, source=through)
 
 
 def at_its_source(meta: dict[str, str], path: Path) -> bool:
@@ -69,13 +71,18 @@ def floor_for(
     service's), or for a backup copied back over it."""
     from vault import chainanchor
     from vault.chainanchor import Floor
+    from vault.engines.sqlite.vaulthead import store_source
 
+    # The source this process reads the file through: a file naming another one at its
+    # judgment is not judged by this floor (vaulthead.refuse_other_source).
+    through = store_source(ks)
     if backupmark.is_backup(meta) and not at_its_source(meta, path):
-        return backup_floor(meta, sealer)
+        return backup_floor(meta, sealer, through)
     try:
-        return chainanchor.floor(anchor_store(ks), meta["vault_id"], named=serves(ks, meta))
+        vid, named = meta["vault_id"], serves(ks, meta)
+        return chainanchor.floor(anchor_store(ks), vid, named=named, source=through)
     except ValueError:  # an entry memvault did not write: judged as no anchor yet
-        return Floor()
+        return Floor(source=through)
 
 
 # `head_reader`'s: a file's vault head point, None when none authenticates (or no key).
@@ -103,6 +110,8 @@ class Anchored:
             self, timeout: float | None = None
         ) -> AbstractContextManager[sqlite3.Connection]: ...
 
+        def write_transaction(self) -> AbstractContextManager[sqlite3.Connection]: ...
+
     def anchor_floor(self) -> Floor | None:
         """The floor this object judges the file's vault head against (read once: the
         reads of this process raise it from there)."""
@@ -123,7 +132,7 @@ class Anchored:
         stays behind, a wider window, never a false alarm."""
         if self._sealer is None or not self.path.exists():
             return None
-        from vault import chainanchor, chainops
+        from vault import chainanchor, chainops, chainvault
         from vault.engines.sqlite import vaulthead
 
         with contextlib.suppress(VaultError, sqlite3.Error, OSError, ValueError):
@@ -149,6 +158,11 @@ class Anchored:
             held = chainanchor.advance(store, meta["vault_id"], vh.point(), lifted=lifted)
             if floor is not None:
                 floor.passes(held)  # raised: this process has seen the file get there
+            if vh.version == chainvault.UNBOUND_VERSION and into is None:
+                # A 0.2 vault head: bound to the file's source now, at the same point, so
+                # that the window of copies bound to none closes at the first 0.3 command.
+                with self.write_transaction() as wconn:
+                    vaulthead.bind(wconn, keys)
             return held
         return None
 

@@ -24,8 +24,9 @@ from vault.chainops import CHAIN_META, ON
 from vault.chainvault import Point, VaultHead
 from vault.engines.sqlite.db import set_meta
 from vault.engines.sqlite.schema import GUARD_MESSAGE, session_exists_sql
-from vault.errors import HistoryTampered
-from vault.keysource.store import KEYRING, MOUNT, SOURCE, mount_of
+from vault.errors import HistoryTampered, VaultBusy
+from vault.keys import KeyStore
+from vault.keysource.store import KEYRING, MOUNT, SOURCE, TransitStore, mount_of
 
 HEADS_TABLE = "memvault_chain_heads"
 VAULT_HEAD_TABLE = "memvault_vault_head"  # one row, id 1 (schema m010)
@@ -67,11 +68,40 @@ def bound_source(meta: Mapping[str, str]) -> str:
     return f"{rows.get(SOURCE, KEYRING)}@{mount_of(rows) or ''}"
 
 
+def store_source(ks: KeyStore) -> str:
+    """`bound_source` of the meta rows `ks` is the source of."""
+    return bound_source(ks.source_rows() if isinstance(ks, TransitStore) else {})
+
+
+# What `_bound` gives a file holding a source row twice (its table rebuilt without its
+# key): no vault head is sealed for it, whichever row a reader would take.
+_AMBIGUOUS = "\0two key sources"
+
+
 def _bound(conn: sqlite3.Connection) -> str:
     """`bound_source` of the file's meta, in the caller's transaction or snapshot: the
     one a `key move` switched together with the vault head."""
     sql = "SELECT key, value FROM memvault_meta WHERE key IN (?, ?)"
-    return bound_source({str(k): str(v) for k, v in conn.execute(sql, (SOURCE, MOUNT))})
+    rows = [(str(k), str(v)) for k, v in conn.execute(sql, (SOURCE, MOUNT))]
+    if len({k for k, _ in rows}) != len(rows):
+        return _AMBIGUOUS
+    return bound_source(dict(rows))
+
+
+def _through(conn: sqlite3.Connection, floor: Floor | None) -> str:
+    """The file's `_bound` source, refused (VaultBusy) when it is not the one `floor` was
+    read through: the file names another key source than the one this process loaded
+    its key and floor through (another process's `key move`, or rows changed under it),
+    and judged by this floor a copy of that source's days could pass. Two source rows
+    are left to the vault head, which no source they give matches."""
+    source = _bound(conn)
+    if floor is None or floor.source in (None, source) or source == _AMBIGUOUS:
+        return source
+    raise VaultBusy(
+        "the vault file names another key source than the one this process opened it "
+        "through (a `memvault key move` since, or its key source rows changed); nothing "
+        "was read or changed; open it again"
+    )
 
 
 def file_kid(conn: sqlite3.Connection) -> str:
@@ -159,6 +189,17 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
         _write(conn, moved)
 
 
+def bind(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> None:
+    """A 0.2 vault head sealed anew for the key source the file names (`chainvault.bound`):
+    from then on a copy of the file given another source's rows no longer matches it.
+    Nothing for any other head, or a file naming two sources."""
+    vh, source = VaultHead.decode(_stored(conn)), _bound(conn)
+    key = None if vh is None else keys.get(vh.kid)
+    sealed = None if vh is None or key is None else chainvault.bound(key, vh, source)
+    if sealed is not None and source != _AMBIGUOUS:
+        _write(conn, sealed)
+
+
 def step(conn: sqlite3.Connection, key: ChainKey, to: Mapping[str, str]) -> None:
     """One write past the stored vault head, its digest kept (`chainvault.stepped`), sealed
     for the source the meta `to` names (a `key move`'s, before its switch writes them);
@@ -181,7 +222,7 @@ def verdict(
     key = None if vh is None else keys.get(vh.kid)
     if text is None or vh is None or key is None:
         return Tamper.VAULT_MISMATCH
-    heads, source = stored_heads(conn), _bound(conn)
+    heads, source = stored_heads(conn), _through(conn, floor)
     if _VOUCHED.get((key.vault_id, source, text)) != heads:
         if not chainvault.matches(key, vh, _decoded(heads), source):
             return Tamper.VAULT_MISMATCH
@@ -197,7 +238,9 @@ def refuse_behind(
     conn: sqlite3.Connection, key: ChainKey, floor: Floor, session_id: str, where: str
 ) -> None:
     """Before a write: refuse a file whose vault head is behind `floor`. Written to, it
-    would move on from the older state, past the anchor, and the rollback would be lost."""
+    would move on from the older state, past the anchor, and the rollback would be lost
+    (nor is it judged by `floor` once it names another key source: `_through`)."""
+    _through(conn, floor)
     vh = authentic(conn, {key.kid: key})
     if vh is not None and not floor.passes(vh.point()):
         raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
