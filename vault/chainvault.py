@@ -70,12 +70,17 @@ class VaultHead:
     digest: bytes
     mac: bytes
     version: str = VAULT_HEAD_VERSION
+    # The key source it is sealed for, in clear beside the MAC that covers it (v2), so
+    # that an agent's write checks it without reading the meta; None: a 0.2 head.
+    source: str | None = None
 
     def point(self) -> Point:
         return Point(self.seq, self.digest)
 
     def encode(self) -> str:
         parts = [self.version, self.kid, str(self.seq), hex_text(self.digest)]
+        if self.version != UNBOUND_VERSION:
+            parts.append(hex_text(utf8(self.source or "")))
         return ".".join([*parts, hex_text(self.mac)])
 
     @classmethod
@@ -84,17 +89,26 @@ class VaultHead:
             return None
         parts = text.split(".")
         version = parts[0]
-        if len(parts) != 5 or version not in (VAULT_HEAD_VERSION, UNBOUND_VERSION):
+        if (version, len(parts)) not in ((VAULT_HEAD_VERSION, 6), (UNBOUND_VERSION, 5)):
             return None
         if not crypto.looks_like_kid(parts[1]):
             return None
         try:
-            seq, digest, mac = count_of(parts[2]), unhex(parts[3]), unhex(parts[4])
-        except ValueError:
+            seq, digest, mac = count_of(parts[2]), unhex(parts[3]), unhex(parts[-1])
+            source = _source_text(parts[4]) if len(parts) == 6 else None
+        except ValueError:  # UnicodeDecodeError too
             return None
         if len(digest) != MAC_BYTES or len(mac) != MAC_BYTES:
             return None
-        return cls(parts[1], seq, digest, mac, version)
+        return cls(parts[1], seq, digest, mac, version, source)
+
+
+def _source_text(text: str) -> str:
+    """A v2 head's source field: the canonical hex of UTF-8 text (ValueError if not)."""
+    raw = bytes.fromhex(text)
+    if raw.hex() != text:
+        raise ValueError("not a source field")
+    return raw.decode()
 
 
 def term(key: ChainKey, session_id: str, anchor: Anchor | None) -> bytes:
@@ -111,7 +125,8 @@ def _sealed(key: ChainKey, seq: int, digest: bytes, source: str) -> VaultHead:
     `bound_source`): rows that no MAC covers, so a copy given another source's rows no
     longer matches its own vault head."""
     data = fields(_VAULT_HEAD_DOMAIN, utf8(key.vault_id), utf8(key.kid), num(seq), digest)
-    return VaultHead(key.kid, seq, digest, key.mac(data + fields(utf8(source))))
+    mac = key.mac(data + fields(utf8(source)))
+    return VaultHead(key.kid, seq, digest, mac, VAULT_HEAD_VERSION, source)
 
 
 def vault_head_ok(key: ChainKey, vh: VaultHead, source: str) -> bool:

@@ -90,21 +90,56 @@ def stored_head(db: Path) -> VaultHead:
 def test_a_vault_head_from_0_2_is_bound_to_its_source_by_the_first_command(
     tmp_path: Path, vault_db: Path
 ) -> None:
-    """At the same point, so that the anchor and the backups' seals still name its state:
-    a read-only command does it too, and a copy taken after it is bound."""
+    """As the command loads the key, at the same point, so that the anchor and the
+    backups' seals still name its state: a read-only command does it too, and a backup
+    made by that first command is bound as well. A command that finds the write lock
+    taken does not wait for it: a later one binds it."""
     db, op = str(vault_db), operator_env(tmp_path)
     assert cli_at(db, op, "init").returncode == 0
     keyring_write(db, op, "s1", "k1")
-    made_by_0_2(vault_db, keyring_master(vault_db))
+    master = keyring_master(vault_db)
+    made_by_0_2(vault_db, master)
     before = stored_head(vault_db)
     assert before.version == "v1"
-    assert cli_at(db, op, "verify").returncode == 0
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as writer:
+        writer.execute("BEGIN IMMEDIATE")  # another process's write under way
+        waited = cli_at(db, {**op, "MEMVAULT_LOCK_TIMEOUT": "600"}, "verify")
+        assert waited.returncode == 0, waited.stderr  # cli_at's own timeout: no wait
+        assert stored_head(vault_db) == before
+    backed_up = cli_at(db, op, "backup", str(tmp_path / "b.db"))
+    assert backed_up.returncode == 0, backed_up.stderr
     after = stored_head(vault_db)
     assert after.version == "v2" and after.point() == before.point()
+    assert stored_head(tmp_path / "b.db").version == "v2"
     assert cli_at(db, op, "verify").returncode == 0
-    key = chain.chain_key(keyring_master(vault_db), vault_id(vault_db))
+    key = chain.chain_key(master, vault_id(vault_db))
     assert chainvault.vault_head_ok(key, after, "keyring@")
     assert not chainvault.vault_head_ok(key, after, "transit:any@transit")
+
+
+def test_a_move_whose_key_cannot_be_loaded_moves_nothing(
+    key: str, tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Switched without sealing its vault head for the new source, the vault would be a
+    mismatch to every reader."""
+    from vault import Vault, keymove
+    from vault.errors import KeyProblem
+
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    monkeypatch.setenv("VAULT_ADDR", op["VAULT_ADDR"])
+    monkeypatch.setenv("VAULT_TOKEN", op["VAULT_TOKEN"])
+    opened = Vault.open(db)
+
+    def no_key(refresh: bool = False) -> None:
+        raise KeyProblem("the key source did not answer")
+
+    monkeypatch.setattr(opened, "sealer", no_key)
+    with pytest.raises(KeyProblem, match="could not be loaded to seal the move"):
+        keymove.move(opened, f"transit:{key}")
+    assert source_rows(db) == {}
+    assert cli_at(db, op, "verify").returncode == 0
 
 
 # How the attacker gives the rows back: as they were, or naming the same mount otherwise
@@ -219,6 +254,9 @@ def test_a_copy_given_a_second_source_row_is_told(key: str, tmp_path: Path, vaul
 
     told(cli_at(db, op, "--json", "verify"), Tamper.VAULT_MISMATCH)
     one_line(cli_at(db, op, "show", "s1"), 1)
+    # Not to be taken as it is: sealed for either row, the other would still open it.
+    assert "source row twice" in one_line(cli_at(db, op, "accept", "--yes"), 1)
+    told(cli_at(db, op, "--json", "verify"), Tamper.VAULT_MISMATCH)
 
 
 @pytest.mark.parametrize("way", ["to-the-keyring", "back-to-transit"])
@@ -228,9 +266,11 @@ def test_a_session_whose_files_source_rows_change_under_it_serves_nothing(
     """The session loaded its key and its floor through one source; the file then names
     the other (the same key, kept in this host's keyring for a backup). Judged by the
     floor it holds, a copy of the other source's days would pass: it reads nothing and
-    says to open the vault again. `to-the-keyring`: the live file given the keyring's
-    rows. `back-to-transit`: a transit-days copy put back, given the keyring's rows while
-    the session opened (so it chose the keyring and its older point), then its own."""
+    says to open the vault again, and writes nothing to a file whose vault head is
+    sealed for the other source (a write reads no meta row: the vault head says it).
+    `to-the-keyring`: the live file given the keyring's rows. `back-to-transit`: a
+    transit-days copy put back, given the keyring's rows while the session opened (so it
+    chose the keyring and its older point), then its own."""
     import asyncio
 
     import vault
@@ -251,10 +291,11 @@ def test_a_session_whose_files_source_rows_change_under_it_serves_nothing(
     session = vault.open_session("s1", db)
     try:
         give_rows(vault_db, keyring_rows if way == "to-the-keyring" else transit_rows)
-        with pytest.raises(VaultBusy, match="open it again"):
+        with pytest.raises(VaultBusy, match="open the vault again"):
             asyncio.run(session.get_items())
-        with pytest.raises(VaultBusy, match="open it again"):
-            asyncio.run(session.add_items([{"role": "user", "content": "not written"}]))
+        if way == "back-to-transit":  # nor is the older copy carried forward by a write
+            with pytest.raises(VaultBusy, match="open the vault again"):
+                asyncio.run(session.add_items([{"role": "user", "content": "not written"}]))
     finally:
         session.close()
     if way == "back-to-transit":
@@ -290,7 +331,7 @@ def test_a_vault_opened_before_another_process_moved_its_keys_is_no_alarm(
     opened.sealer()
     assert cli_at(db, op, "key", "move", "keyring").returncode == 0
     assert chainanchor.floor(service(key), opened.vault_id).left
-    with pytest.raises(VaultBusy, match="open it again"):
+    with pytest.raises(VaultBusy, match="open the vault again"):
         opened.history_verdict("s1")
     assert Vault.open(db).history_verdict("s1") is None
 

@@ -176,6 +176,13 @@ def test_a_vault_head_vouches_only_for_the_key_source_it_was_sealed_for(busy: Va
     assert moved is not None and moved.seq == busy.vh.seq + 1
     assert chainvault.judge(busy.key, moved, busy.heads(), TRANSIT) is None
     assert chainvault.judge(busy.key, moved, busy.heads(), SRC) is Tamper.UNAUTHENTICATED
+    # The source stands in clear beside the MAC (a write reads it there): edited, it fails.
+    assert VaultHead.decode(moved.encode()) == moved and moved.source == TRANSIT
+    edited = VaultHead.decode(
+        moved.encode().replace(moved.encode().split(".")[4], SRC.encode().hex())
+    )
+    assert edited is not None and edited.source == SRC
+    assert not chainvault.vault_head_ok(busy.key, edited, edited.source)
 
 
 def test_a_vault_head_from_before_the_source_was_bound_is_read_and_sealed_anew(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from vault import backupmark
 from vault.engines.sqlite.db import read_meta, set_meta
-from vault.errors import VaultError
+from vault.errors import KeyProblem, VaultError
 from vault.keysource.store import anchor_store, marked_left, serves
 
 # The chain's modules are imported where used: every command loads this one (a base of
@@ -110,7 +110,9 @@ class Anchored:
             self, timeout: float | None = None
         ) -> AbstractContextManager[sqlite3.Connection]: ...
 
-        def write_transaction(self) -> AbstractContextManager[sqlite3.Connection]: ...
+        def write_transaction(
+            self, timeout: float | None = None
+        ) -> AbstractContextManager[sqlite3.Connection]: ...
 
     def anchor_floor(self) -> Floor | None:
         """The floor this object judges the file's vault head against (read once: the
@@ -132,7 +134,7 @@ class Anchored:
         stays behind, a wider window, never a false alarm."""
         if self._sealer is None or not self.path.exists():
             return None
-        from vault import chainanchor, chainops, chainvault
+        from vault import chainanchor, chainops
         from vault.engines.sqlite import vaulthead
 
         with contextlib.suppress(VaultError, sqlite3.Error, OSError, ValueError):
@@ -158,13 +160,25 @@ class Anchored:
             held = chainanchor.advance(store, meta["vault_id"], vh.point(), lifted=lifted)
             if floor is not None:
                 floor.passes(held)  # raised: this process has seen the file get there
-            if vh.version == chainvault.UNBOUND_VERSION and into is None:
-                # A 0.2 vault head: bound to the file's source now, at the same point, so
-                # that the window of copies bound to none closes at the first 0.3 command.
-                with self.write_transaction() as wconn:
-                    vaulthead.bind(wconn, keys)
             return held
         return None
+
+    def bind_source(self, sealer: crypto.Sealer) -> None:
+        """As the key is loaded, before anything copies the file (`backup`): a 0.2 vault
+        head sealed, at the same point, for the key source the key was loaded through
+        (vaulthead.bind). Only if the write lock is free at once: a command that only
+        reads never waits on a writer for it, and a later one does it."""
+        from vault import chainops
+        from vault.engines.sqlite import vaulthead
+
+        with contextlib.suppress(VaultError, sqlite3.Error, OSError):
+            with self.connection() as conn:
+                if not vaulthead.unbound(conn):
+                    return
+            through = vaulthead.store_source(self.keystore)
+            with self.write_transaction(timeout=0) as conn:
+                keys = chainops.keys_for(sealer, read_meta(conn, self.path)["vault_id"])
+                vaulthead.bind(conn, keys, through)
 
     def refuse_behind(
         self, conn: sqlite3.Connection, sealer: crypto.Sealer, session_id: str = ""
@@ -182,14 +196,23 @@ class Anchored:
         key = chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"])
         vaulthead.refuse_behind(conn, key, floor, session_id, str(self.path))
 
-    def switch_vault_head(
-        self, conn: sqlite3.Connection, sealer: crypto.Sealer, to: dict[str, str]
-    ) -> None:
+    def switch_vault_head(self, conn: sqlite3.Connection, to: dict[str, str]) -> None:
         """Inside a `key move`'s switch: `refuse_behind`, then the vault head one write
-        on, sealed for the key source the meta `to` names (vaulthead.step)."""
+        on, sealed for the key source the meta `to` names (vaulthead.step). Without the
+        key loaded, a file that has a vault head is not switched: its rows would name a
+        source its vault head is not sealed for, a mismatch to every reader."""
         from vault import chainops
         from vault.engines.sqlite import vaulthead
 
+        sealer = self._sealer
+        if sealer is None:
+            if vaulthead.exists(conn):
+                raise KeyProblem(
+                    f"the key of {self.path} could not be loaded to seal the move; nothing "
+                    "was moved; check that its key source answers, then run `memvault key "
+                    "move` again"
+                )
+            return
         self.refuse_behind(conn, sealer)
         vaulthead.step(conn, chainops.key_of(sealer, read_meta(conn, self.path)["vault_id"]), to)
 

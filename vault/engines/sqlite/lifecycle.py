@@ -120,6 +120,8 @@ class KeyLifecycle(KeptVersions, Anchored):
             )
             chainrows.build(self, chainops.key_of(sealer, vid), chainops.keys_for(sealer, vid))
             chainanchor.mark_chained(anchored, vid)
+        elif not backupmark.is_backup(meta):
+            self.bind_source(sealer)
         if (
             meta["format"] == LEGACY_FORMAT
             or keyjournal.LEGACY_MARK in meta
@@ -245,8 +247,7 @@ class KeyLifecycle(KeptVersions, Anchored):
         the source it moves to: the source it leaves then records that point, a copy of
         the file from before the move is behind it, and one given the other source's
         meta rows no longer matches its vault head."""
-        if self._sealer is not None:  # loaded by `switch_meta` (a move holds every key)
-            self.switch_vault_head(conn, self._sealer, after)
+        self.switch_vault_head(conn, after)  # the key loaded by `switch_meta`
 
     def rotate(self, progress: Progress | None = None, scrub: bool = True) -> Report:
         """`_rotate`, with Ctrl-C turned into `Interrupted` saying whether it switched."""

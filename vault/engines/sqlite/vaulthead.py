@@ -88,6 +88,30 @@ def _bound(conn: sqlite3.Connection) -> str:
     return bound_source(dict(rows))
 
 
+def _to_seal(conn: sqlite3.Connection, where: str) -> str:
+    """`_bound`, to seal a vault head for: refused for a file naming two sources, which
+    would otherwise be taken as it is (`accept`, an upgrade's build) and then pass."""
+    source = _bound(conn)
+    if source == _AMBIGUOUS:
+        raise HistoryTampered(
+            f"{where} holds its key source row twice (its meta table was rewritten), so "
+            "its state cannot be taken as it is; restore the vault from a backup; nothing "
+            "was changed",
+            "",
+            Tamper.VAULT_MISMATCH.value,
+        )
+    return source
+
+
+def _sealed_for(conn: sqlite3.Connection, vh: VaultHead) -> str:
+    """The source a write checks `vh` against and seals it for: its own (v2, in clear
+    beside the MAC that covers it), so that an agent's write reads no meta row (readers
+    compare it with the rows); a 0.2 head's, the file's rows, read once (then v2)."""
+    if vh.version == chainvault.UNBOUND_VERSION or vh.source is None:
+        return _bound(conn)
+    return vh.source
+
+
 def _through(conn: sqlite3.Connection, floor: Floor | None) -> str:
     """The file's `_bound` source, refused (VaultBusy) when it is not the one `floor` was
     read through: the file names another key source than the one this process loaded
@@ -96,11 +120,12 @@ def _through(conn: sqlite3.Connection, floor: Floor | None) -> str:
     are left to the vault head, which no source they give matches."""
     source = _bound(conn)
     if floor is None or floor.source in (None, source) or source == _AMBIGUOUS:
-        return source
+        return source  # two source rows: told by the vault head, which none can match
     raise VaultBusy(
         "the vault file names another key source than the one this process opened it "
         "through (a `memvault key move` since, or its key source rows changed); nothing "
-        "was read or changed; open it again"
+        "was read or changed; open the vault again (run the command again, or open a new "
+        "session)"
     )
 
 
@@ -167,7 +192,8 @@ def move(
     try:
         if vh is None:
             raise ValueError("no vault head")
-        _write(conn, chainvault.moved(key, vh, session_id, before, after, _bound(conn)))
+        source = _sealed_for(conn, vh)
+        _write(conn, chainvault.moved(key, vh, session_id, before, after, source))
     except ValueError:
         raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where) from None
 
@@ -175,7 +201,8 @@ def move(
 def start(conn: sqlite3.Connection, key: ChainKey) -> None:
     """The file is chained from here: its vault head sums the heads it has (none for a
     new vault), and the meta says so, in the same transaction."""
-    _write(conn, chainvault.new_vault_head(key, _bound(conn), _decoded(stored_heads(conn))))
+    source = _to_seal(conn, "the vault file")
+    _write(conn, chainvault.new_vault_head(key, source, _decoded(stored_heads(conn))))
     set_meta(conn, **{CHAIN_META: ON})
 
 
@@ -189,14 +216,20 @@ def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping
         _write(conn, moved)
 
 
-def bind(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> None:
-    """A 0.2 vault head sealed anew for the key source the file names (`chainvault.bound`):
-    from then on a copy of the file given another source's rows no longer matches it.
-    Nothing for any other head, or a file naming two sources."""
-    vh, source = VaultHead.decode(_stored(conn)), _bound(conn)
+def unbound(conn: sqlite3.Connection) -> bool:
+    """Whether the file's vault head is 0.2's, bound to no key source (`bind`)."""
+    vh = VaultHead.decode(_stored(conn))
+    return vh is not None and vh.version == chainvault.UNBOUND_VERSION
+
+
+def bind(conn: sqlite3.Connection, keys: Mapping[str, ChainKey], through: str) -> None:
+    """A 0.2 vault head sealed anew (`chainvault.bound`) for the key source `through`,
+    the one the process loaded its key through, if the file names it in this
+    transaction: from then on a copy given another source's rows no longer matches."""
+    vh = VaultHead.decode(_stored(conn))
     key = None if vh is None else keys.get(vh.kid)
-    sealed = None if vh is None or key is None else chainvault.bound(key, vh, source)
-    if sealed is not None and source != _AMBIGUOUS:
+    sealed = None if vh is None or key is None else chainvault.bound(key, vh, through)
+    if sealed is not None and _bound(conn) == through:
         _write(conn, sealed)
 
 
@@ -238,11 +271,19 @@ def refuse_behind(
     conn: sqlite3.Connection, key: ChainKey, floor: Floor, session_id: str, where: str
 ) -> None:
     """Before a write: refuse a file whose vault head is behind `floor`. Written to, it
-    would move on from the older state, past the anchor, and the rollback would be lost
-    (nor is it judged by `floor` once it names another key source: `_through`)."""
-    _through(conn, floor)
-    vh = authentic(conn, {key.kid: key})
-    if vh is not None and not floor.passes(vh.point()):
+    would move on from the older state, past the anchor, and the rollback would be lost.
+    Nor is it judged by `floor` once its vault head is sealed for another key source
+    than the one `floor` was read through (VaultBusy, as `_through`); no meta row read."""
+    vh = VaultHead.decode(_stored(conn))
+    if vh is None:
+        return
+    source = _sealed_for(conn, vh)
+    if floor.source is not None and source != floor.source:
+        # Rows naming that source too: a move since (VaultBusy, from `_through`). Else
+        # the vault head or the rows were changed: the mismatch every reader tells.
+        _through(conn, floor)
+        raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where)
+    if chainvault.vault_head_ok(key, vh, source) and not floor.passes(vh.point()):
         raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
 
 
@@ -287,7 +328,7 @@ def accept(
                 sid,
                 Tamper.UNAUTHENTICATED.value,
             )
-    vh, source = VaultHead.decode(_stored(conn)), _bound(conn)
+    vh, source = VaultHead.decode(_stored(conn)), _to_seal(conn, where)
     conn.execute(_TABLE_SQL)
     matched = vh is not None and chainvault.matches(key, vh, decoded, source)
     if vh is not None and anchor is not None and chainvault.behind(vh.point(), anchor):
