@@ -135,6 +135,8 @@ def vault_head_ok(key: ChainKey, vh: VaultHead, source: str) -> bool:
     if vh.version == UNBOUND_VERSION:
         data = fields(_UNBOUND_DOMAIN, utf8(key.vault_id), utf8(key.kid), num(vh.seq), vh.digest)
         return _hmac.compare_digest(key.mac(data), vh.mac)
+    if vh.source != source:  # the clear copy a write reads must say what the MAC does
+        return False
     return _hmac.compare_digest(_sealed(key, vh.seq, vh.digest, source).mac, vh.mac)
 
 

@@ -12,13 +12,22 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests import baoserver
+from tests.conftest import ROOT
 from tests.keys.test_key_move import keyring_write, source_rows
-from tests.keys.test_transit_vaults import cli_at, host_env, host_write, operator_env
+from tests.keys.test_transit_vaults import (
+    HOST_WRITES,
+    cli_at,
+    host_env,
+    host_write,
+    operator_env,
+)
 from tests.security.test_transit_anchor import one_line, service, told, vault_id
 from tests.security.test_vault_head import unbound
 from tests.security.test_whole_file_rollback import copy_of, put_back
@@ -115,6 +124,86 @@ def test_a_vault_head_from_0_2_is_bound_to_its_source_by_the_first_command(
     key = chain.chain_key(master, vault_id(vault_db))
     assert chainvault.vault_head_ok(key, after, "keyring@")
     assert not chainvault.vault_head_ok(key, after, "transit:any@transit")
+
+
+def test_a_backup_copied_from_a_0_2_vault_head_is_bound_as_it_is_sealed(
+    tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live vault's open binds its head only if the write lock is free at once: the
+    copy a backup took meanwhile is bound in the backup's own transaction, as its point
+    is sealed into it."""
+    from vault import Vault
+    from vault.engines.sqlite.backup import mark_as_backup
+
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    made_by_0_2(vault_db, keyring_master(vault_db))
+    copy = copy_of(vault_db, tmp_path / "copy.db")  # taken before the open bound the live one
+    live = Vault.open(db)
+    floor = live.anchor_floor()
+    with contextlib.closing(sqlite3.connect(copy, isolation_level=None)) as conn:
+        conn.execute("BEGIN IMMEDIATE")
+        mark_as_backup(live.vault_id, "b1", db, sealer=live.sealer, floor=floor)(conn)
+        conn.execute("COMMIT")
+    bound = stored_head(copy)
+    assert bound.version == "v2" and bound.point() == stored_head(vault_db).point()
+
+
+def test_a_vault_heads_clear_source_edited_is_told_by_readers_and_writers(
+    tmp_path: Path, vault_db: Path
+) -> None:
+    """A write checks the head's source where it stands in clear; a reader checks that
+    it is the one the rows name, so the two never disagree about the same file."""
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "k1")
+    text = stored_head(vault_db).encode()
+    parts = text.split(".")
+    parts[4] = b"transit:elsewhere@transit".hex()
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        conn.execute("UPDATE memvault_vault_head SET head = ?", (".".join(parts),))
+    told(cli_at(db, op, "--json", "verify"), Tamper.VAULT_MISMATCH)
+    one_line(cli_at(db, op, "show", "s1"), 1)
+    proc = subprocess.run(
+        [sys.executable, "-c", HOST_WRITES, db, "s1", "k2", "any"],
+        capture_output=True, text=True, env=op, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "do not match its vault head" in proc.stderr, proc.stderr
+
+
+def test_rows_changed_under_an_open_session_do_not_stop_its_anchor(
+    key: str, tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its writes go on (its vault head is still sealed for its source), and so do its
+    records: a copy from between them, put back with the rows restored, is behind."""
+    import asyncio
+
+    import vault
+
+    db, op = str(vault_db), operator_env(tmp_path)
+    keyring_rows = moved_keeping_the_keyrings_key(db, op, key, tmp_path)
+    host = host_env(tmp_path, baoserver.host_token(key))
+    host_write(db, host, "s1", "t1")
+    transit_rows = source_rows(db)
+    monkeypatch.setenv("VAULT_ADDR", op["VAULT_ADDR"])
+    monkeypatch.setenv("VAULT_TOKEN", op["VAULT_TOKEN"])
+
+    async def go() -> Path:
+        session = vault.open_session("s1", db, anchor_every=0)
+        try:
+            give_rows(vault_db, keyring_rows)
+            await session.add_items([{"role": "user", "content": "t2"}])
+            older = copy_of(vault_db, tmp_path / "between.db")
+            await session.add_items([{"role": "user", "content": "t3, taken away"}])
+            return older
+        finally:
+            session.close()
+
+    older = asyncio.run(go())
+    put_back(older, vault_db)
+    give_rows(vault_db, transit_rows)
+    told(cli_at(db, host, "--json", "verify"))
 
 
 def test_a_move_whose_key_cannot_be_loaded_moves_nothing(

@@ -142,14 +142,19 @@ class Anchored:
             with self._snapshot_meta() as (conn, meta):
                 # The file's own key source, read now: a `key move` may have run since
                 # this object chose its store (the anchor goes with the move).
-                if (
-                    backupmark.is_backup(meta)
-                    or (into is None and not serves(self.keystore, meta))
-                    or {"revoked_at", "shred_started"} & set(meta)
-                ):
+                if backupmark.is_backup(meta) or {"revoked_at", "shred_started"} & set(meta):
                     return None
                 keys = chainops.keys_for(self._sealer, meta["vault_id"])
-                vh = vaulthead.authentic(conn, keys)
+                if into is not None:
+                    vh = vaulthead.authentic(conn, keys)
+                else:
+                    # A head sealed for the source this object loaded its key and anchor
+                    # through, whatever the rows say: rows changed under an open session
+                    # must not stop its records (a 0.2 head vouches for none: the rows).
+                    through = vaulthead.store_source(self.keystore)
+                    vh = vaulthead.authentic(conn, keys, through)
+                    if vh is not None and vh.source is None and not serves(self.keystore, meta):
+                        vh = None
             if vh is None:
                 return None
             floor = self.anchor_floor()
@@ -286,6 +291,8 @@ def seal_backup(
 
     vault_id = mark[backupmark.BACKUP_OF]
     keys = chainops.keys_for(sealer, vault_id)
+    if floor is not None and floor.source is not None:
+        vaulthead.bind(conn, keys, floor.source)  # a 0.2 head the live vault's open left
     vh = vaulthead.authentic(conn, keys)
     if vh is None:
         return

@@ -287,12 +287,16 @@ def refuse_behind(
         raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
 
 
-def authentic(conn: sqlite3.Connection, keys: Mapping[str, ChainKey]) -> VaultHead | None:
-    """The file's vault head, if it authenticates under `keys`: a state memvault wrote,
-    whatever the file holds now (what the anchor and a backup's seal record)."""
+def authentic(
+    conn: sqlite3.Connection, keys: Mapping[str, ChainKey], through: str | None = None
+) -> VaultHead | None:
+    """The file's vault head, if it authenticates under `keys` for the key source
+    `through` (None: the one the rows name): a state memvault wrote, whatever the file
+    holds now (what the anchor and a backup's seal record)."""
     vh = VaultHead.decode(_stored(conn))
     key = None if vh is None else keys.get(vh.kid)
-    if vh is None or key is None or not chainvault.vault_head_ok(key, vh, _bound(conn)):
+    source = _bound(conn) if through is None else through
+    if vh is None or key is None or not chainvault.vault_head_ok(key, vh, source):
         return None
     return vh
 
