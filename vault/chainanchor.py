@@ -108,16 +108,23 @@ def floor(store: Store, vault_id: str, *, named: bool = True, source: str | None
     return Floor(point, left=left and named, source=source)
 
 
-def advance(store: Store, vault_id: str, point: Point, *, lifted: bool = False) -> Point:
+def advance(
+    store: Store, vault_id: str, point: Point, *, lifted: bool = False, held: bool = False
+) -> Point | None:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
     state). Nothing moves it back: `restore` and `accept` write a vault head past it,
-    and only they (`lifted`) write over a left mark (`leave`).
+    and only they (`lifted`) write over a left mark (`leave`). `held`: only an anchor
+    that exists moves (None: there is none), for a file whose rows say it is revoked or
+    being shredded: revoke and shred `forget` the anchor before the keys, so one still
+    there is a mark not (yet) acted on, and one gone is not written again.
     A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
     The key service's set is check-and-set, read again on a race with another host."""
     with _this_hosts_turn():
         for _ in range(RACE_TRIES):
             stored, left = _held(store.get(entry_name(vault_id)))
+            if stored is None and held:
+                return None
             if stored is not None and (point.seq <= stored.seq or (left and not lifted)):
                 return stored
             try:
@@ -194,8 +201,10 @@ def leave(store: Store, vault_id: str) -> None:
 
 
 def forget(store: Store, vault_id: str) -> bool:
-    """Delete the anchor (shred and revoke destroy the vault's entries)."""
-    return store.delete(entry_name(vault_id))
+    """Delete the anchor (shred and revoke destroy the vault's entries), in this host's
+    turn: an `advance(held=True)` that found it is not let write it again after."""
+    with _this_hosts_turn():
+        return store.delete(entry_name(vault_id))
 
 
 def mark_chained(store: Store, vault_id: str) -> None:

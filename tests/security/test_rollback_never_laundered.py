@@ -212,3 +212,57 @@ def test_a_restore_is_no_rollback_to_a_process_that_read_unrecorded_writes(
     assert reader.history_verdict("s") is None
     assert len(list(reader.opened_items("s"))) == 1
     assert run_cli("verify").code == 0
+
+
+@pytest.mark.parametrize("mark", ["revoked_at", "shred_started"])
+def test_a_revoke_or_shred_mark_written_under_an_open_session_does_not_stop_its_records(
+    vault: Vault, vault_db: Path, tmp_path: Path, mark: str
+) -> None:
+    """Meta rows no MAC covers: a mark that no revoke or shred acted on (the anchor is
+    still there) stops no record, so a copy from past it, put back without it, is behind."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> Path:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=0)
+        try:
+            _mark(vault_db, {mark: "2026-01-01T00:00:00Z"})
+            await s.add_items([user("second")])
+            older = copy_of(vault_db, tmp_path / "between.db")
+            await s.add_items([user("third, taken away")])
+            assert anchor_seq(vault) == file_seq(vault_db)
+            return older
+        finally:
+            s.close()
+
+    older = asyncio.run(go())
+    with sqlite3.connect(older) as conn:
+        conn.execute("DELETE FROM memvault_meta WHERE key = ?", (mark,))
+    conn.close()
+    put_back(older, vault_db)
+    r = run_cli("--json", "verify")
+    assert r.code == 1 and ROLLED_BACK in str(r.json()["details"]["history_chain"]), r
+
+
+def test_a_session_open_across_a_revoke_writes_no_anchor_again(
+    vault: Vault, vault_db: Path
+) -> None:
+    """Revoke forgets the vault's anchor before its keys: a session that still holds the
+    key in memory finds none to move as it closes, and leaves none behind."""
+    import vault as vault_pkg
+    from vault import chainanchor
+    from vault.keys import KeyStore
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=0)
+        try:
+            await s.add_items([user("before the revoke")])
+            assert chainanchor.read(KeyStore(), vault.vault_id) is not None
+            assert run_cli("revoke", "--yes").code == 0
+            assert chainanchor.read(KeyStore(), vault.vault_id) is None
+        finally:
+            s.close()
+
+    asyncio.run(go())
+    assert chainanchor.read(KeyStore(), vault.vault_id) is None

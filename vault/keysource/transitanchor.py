@@ -147,7 +147,7 @@ def forget_after_key(transit: Transit, vault_id: str, outcome: dict[str, Any]) -
     anchor deleted once its transit key is (nothing unwraps any copy then). A key kept
     (a token that may not delete it, say a host shredding a stray copy) keeps the
     anchor, which the live vault may still need: the operator deletes both."""
-    from vault.chainanchor import entry_name
+    from vault.chainanchor import forget
     from vault.errors import VaultError
 
     store = ServiceAnchor(transit)
@@ -156,7 +156,7 @@ def forget_after_key(transit: Transit, vault_id: str, outcome: dict[str, Any]) -
             "transit_key_fix": f"{outcome['transit_key_fix']}; and {store.delete_command(vault_id)}"
         }
     try:
-        store.delete(entry_name(vault_id))
+        forget(store, vault_id)  # in this host's turn, as every anchor is forgotten
     except VaultError:  # nothing secret in it: said, not failed
         return {"anchor": "kept", "anchor_fix": store.delete_command(vault_id)}
     return {}

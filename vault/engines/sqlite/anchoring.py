@@ -126,7 +126,8 @@ class Anchored:
     def record_anchor(self, into: KeyStore | None = None, *, lifted: bool = False) -> Point | None:
         """Advance the anchor to the file's vault head, when this object has opened the
         key and the vault head authenticates under it; returns what the anchor holds
-        then. Never for a backup, or a revoked or half-shredded vault. `into`: the
+        then. Never for a backup, nor into an anchor a revoke or shred has forgotten
+        (`chainanchor.advance`'s `held`). `into`: the
         anchor of that key source (`key move`'s, of the source it left), not this
         object's. `lifted`: `restore` or `accept` has just put the vault head past the
         anchor on purpose, which then clears a mark left by a `key move`.
@@ -142,8 +143,12 @@ class Anchored:
             with self._snapshot_meta() as (conn, meta):
                 # The file's own key source, read now: a `key move` may have run since
                 # this object chose its store (the anchor goes with the move).
-                if backupmark.is_backup(meta) or {"revoked_at", "shred_started"} & set(meta):
+                if backupmark.is_backup(meta):
                     return None
+                # Rows no MAC covers: believed only as far as revoke or shred acted on them
+                # (the anchor forgotten). Else, a mark written under an open session would
+                # stop its records, and a copy from past them, put back, would pass.
+                marked = bool({"revoked_at", "shred_started"} & set(meta))
                 keys = chainops.keys_for(self._sealer, meta["vault_id"])
                 if into is not None:
                     vh = vaulthead.authentic(conn, keys)
@@ -162,8 +167,10 @@ class Anchored:
                 floor.lift(vh.point())
             if floor is not None and not floor.passes(vh.point()):
                 return None  # a file behind what was seen of it: never recorded as newer
-            held = chainanchor.advance(store, meta["vault_id"], vh.point(), lifted=lifted)
-            if floor is not None:
+            held = chainanchor.advance(
+                store, meta["vault_id"], vh.point(), lifted=lifted, held=marked
+            )
+            if floor is not None and held is not None:
                 floor.passes(held)  # raised: this process has seen the file get there
             return held
         return None
