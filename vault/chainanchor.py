@@ -14,10 +14,12 @@ vault.engines.sqlite.anchoring; how a process judges by it: `Floor`.
 from __future__ import annotations
 
 import contextlib
+import hmac as _hmac
 import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from vault.chain import MAC_BYTES, count_of, hex_text, unhex
@@ -35,12 +37,36 @@ CHAINED = Point(0, ZERO)
 RACE_TRIES = 5
 # The mark of an anchor in a key source the vault's keys moved away from (`leave`).
 LEFT = "left"
+# The mark of an anchor whose recorded history a process found the file had left: a
+# file put back, then written on by a process that had not seen the state recorded
+# (`Forked`). No vault head passes it until `restore` or `accept`.
+FORKED = "forked"
+# How many of the vault heads it has seen a process keeps to judge the anchor by.
+SEEN_MAX = 4096
 LOCK_NAME = "anchor.lock"  # in the user's cache folder: this host's turn to record
 
 
 class Raced(Exception):
     """A store's `set` found the entry changed since it was read (the key service's
     check-and-set): another process recorded first."""
+
+
+class Forked(Exception):
+    """The anchor holds a point at a `seq` where this process saw the file hold another
+    one: the file it is about to record went on from an older state than the anchor's
+    (`advance`). The anchor is marked (`FORKED`), not moved."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What an anchor entry holds: the point; `left` (`leave`) or `forked` marks; and
+    `lifts`, how many times `restore` or `accept` have put the file past it on purpose
+    (a process that saw the file before a lift does not judge it by what it saw)."""
+
+    point: Point
+    left: bool = False
+    forked: bool = False
+    lifts: int = 0
 
 
 class Store(Protocol):
@@ -58,35 +84,48 @@ def entry_name(vault_id: str) -> str:
     return f"{vault_id}/anchor"
 
 
-def encode(point: Point, *, left: bool = False) -> str:
+def encode(point: Point, *, left: bool = False, forked: bool = False, lifts: int = 0) -> str:
     parts = [ANCHOR_VERSION, str(point.seq), hex_text(point.digest)]
-    return ".".join([*parts, LEFT] if left else parts)
+    parts += [f"l{lifts}"] if lifts else []
+    parts += [LEFT] if left else [FORKED] if forked else []
+    return ".".join(parts)
 
 
-def _parse(text: str) -> tuple[Point, bool]:
+def _encoded(entry: Entry) -> str:
+    return encode(entry.point, left=entry.left, forked=entry.forked, lifts=entry.lifts)
+
+
+def _parse(text: str) -> Entry:
     parts = text.split(".")
-    left = len(parts) == 4 and parts[3] == LEFT
-    if len(parts) != 3 + left or parts[0] != ANCHOR_VERSION:
+    if len(parts) < 3 or parts[0] != ANCHOR_VERSION:
         raise ValueError("not an anchor")
     seq, digest = count_of(parts[1]), unhex(parts[2])
     if len(digest) != MAC_BYTES:
         raise ValueError("not an anchor")
-    return Point(seq, digest), left
+    rest, lifts = parts[3:], 0
+    if rest and rest[0].startswith("l") and rest[0] != LEFT:
+        lifts = count_of(rest.pop(0)[1:])
+        if lifts == 0:
+            raise ValueError("not an anchor")  # one spelling only: no lift count is none
+    mark = rest.pop(0) if rest else None
+    if rest or mark not in (None, LEFT, FORKED):
+        raise ValueError("not an anchor")
+    return Entry(Point(seq, digest), left=mark == LEFT, forked=mark == FORKED, lifts=lifts)
 
 
-def _held(text: str | None) -> tuple[Point | None, bool]:
+def _held(text: str | None) -> Entry | None:
     """What an entry holds, for a writer: one memvault did not write is written over, as
     every reader takes it for no anchor yet (vault.engines.sqlite.anchoring.floor_for)."""
     try:
-        return (None, False) if text is None else _parse(text)
+        return None if text is None else _parse(text)
     except ValueError:
-        return None, False
+        return None
 
 
 def decode(text: str) -> Point:
-    """The point an anchor entry holds, left or not. ValueError for one memvault did not
-    write."""
-    return _parse(text)[0]
+    """The point an anchor entry holds, marked or not. ValueError for one memvault did
+    not write."""
+    return _parse(text).point
 
 
 def read(store: Store, vault_id: str) -> Point | None:
@@ -104,33 +143,54 @@ def floor(store: Store, vault_id: str, *, named: bool = True, source: str | None
     text = store.get(entry_name(vault_id))
     if text is None:
         return Floor(source=source)
-    point, left = _parse(text)
-    return Floor(point, left=left and named, source=source)
+    held = _parse(text)
+    return Floor(
+        held.point, left=held.left and named, forked=held.forked, lifts=held.lifts, source=source
+    )
 
 
 def advance(
-    store: Store, vault_id: str, point: Point, *, lifted: bool = False, held: bool = False
+    store: Store,
+    vault_id: str,
+    point: Point,
+    *,
+    lifted: bool = False,
+    held: bool = False,
+    seen: Floor | None = None,
 ) -> Point | None:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
     state). Nothing moves it back: `restore` and `accept` write a vault head past it,
-    and only they (`lifted`) write over a left mark (`leave`). `held`: only an anchor
+    and only they (`lifted`) write over a left or forked mark. `held`: only an anchor
     that exists moves (None: there is none), for a file whose rows say it is revoked or
     being shredded: revoke and shred `forget` the anchor before the keys, so one still
-    there is a mark not (yet) acted on, and one gone is not written again.
+    there is a mark not (yet) acted on, and one gone is not written again. `seen`: the
+    recording process's floor; an anchor at a `seq` where it saw the file hold another
+    point is marked forked, and `Forked` raised: the file went on from an older state
+    than the one recorded, which a `seq` past the anchor's would otherwise launder.
     A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
     The key service's set is check-and-set, read again on a race with another host."""
     with _this_hosts_turn():
         for _ in range(RACE_TRIES):
-            stored, left = _held(store.get(entry_name(vault_id)))
-            if stored is None and held:
-                return None
-            if stored is not None and (point.seq <= stored.seq or (left and not lifted)):
-                return stored
+            entry = _held(store.get(entry_name(vault_id)))
+            if entry is None:
+                if held:
+                    return None
+                after = Entry(point, lifts=int(lifted))
+            elif not lifted and seen is not None and seen.contradicts(entry):
+                after = Entry(entry.point, forked=True, lifts=entry.lifts)
+            elif point.seq <= entry.point.seq or ((entry.left or entry.forked) and not lifted):
+                return entry.point
+            else:
+                after = Entry(point, lifts=entry.lifts + lifted)
             try:
-                store.set(entry_name(vault_id), encode(point))
+                store.set(entry_name(vault_id), _encoded(after))
             except Raced:
                 continue
+            if after.forked:
+                raise Forked(vault_id)
+            if seen is not None:
+                seen.relifted(after.lifts)
             return point
         return read(store, vault_id) or point  # still racing: the others' points stand
 
@@ -190,11 +250,11 @@ def leave(store: Store, vault_id: str) -> None:
     for _ in range(RACE_TRIES):
         # Nothing recorded there (the move's record did not get through), or only an
         # entry memvault did not write: nothing to mark, a window as before the move.
-        point, left = _held(store.get(entry_name(vault_id)))
-        if point is None or left:
+        entry = _held(store.get(entry_name(vault_id)))
+        if entry is None or entry.left or entry.forked:
             return
         try:
-            store.set(entry_name(vault_id), encode(point, left=True))
+            store.set(entry_name(vault_id), encode(entry.point, left=True, lifts=entry.lifts))
         except Raced:
             continue
         return
@@ -241,7 +301,10 @@ class Floor:
 
     `exact`: a backup's, its own sealed point (it never takes a write), which its vault
     head must equal. `left`: the anchor of a key source the vault's keys moved away from
-    (`leave`); no vault head passes it until `lift`."""
+    (`leave`); `forked`: an anchor marked so (`advance`); no vault head passes either
+    until `lift`. It keeps the points it passed (at most SEEN_MAX, by `seq`), to tell
+    an anchor recorded of another history (`contradicts`), and the anchor's lift count
+    when they were seen (`lifts`)."""
 
     def __init__(
         self,
@@ -249,35 +312,66 @@ class Floor:
         *,
         exact: bool = False,
         left: bool = False,
+        forked: bool = False,
+        lifts: int = 0,
         source: str | None = None,
     ) -> None:
         self.point = point
         self.exact = exact
         self.left = left
+        self.forked = forked
+        self.lifts = lifts
         self.source = source  # the key source it was read through (vaulthead.store_source)
+        self._seen: dict[int, bytes] = {}
         self._guard = threading.Lock()  # the SDK's reads run in worker threads
 
     def passes(self, point: Point) -> bool:
         """Whether a vault head at `point`, authentic and matching its heads, is not
         older than the floor; the floor moves up to it."""
         with self._guard:
-            if self.left:
-                return False  # the vault's keys left the source this file names
+            if self.left or self.forked:
+                return False  # the vault's keys left the source this file names, or forked
             if self.point is None:
                 if self.exact:
                     return True  # a backup made before backups recorded their point
-                self.point = point
+                self._saw(point)
                 return True
             if self.exact:
                 return point == self.point
             if behind(point, self.point):
                 return False
-            self.point = point
+            self._saw(point)
             return True
+
+    def _saw(self, point: Point) -> None:
+        self.point = point
+        self._seen.pop(point.seq, None)  # re-inserted last: the oldest sightings go first
+        self._seen[point.seq] = point.digest
+        if len(self._seen) > SEEN_MAX:
+            del self._seen[next(iter(self._seen))]
+
+    def contradicts(self, held: Entry) -> bool:
+        """Whether the anchor `held` is at a `seq` where this process saw the file hold
+        another point: one history has one point at each `seq`. Not after a lift this
+        process did not see: what it saw before may be of a history put aside on purpose."""
+        with self._guard:
+            if held.lifts != self.lifts:
+                self._seen.clear()
+                self.lifts = held.lifts
+                return False
+            digest = self._seen.get(held.point.seq)
+            return digest is not None and not _hmac.compare_digest(digest, held.point.digest)
+
+    def relifted(self, lifts: int) -> None:
+        """The anchor's lift count after this process's own record (`advance`): a lift
+        of its own has put aside what it saw already (`lift`)."""
+        with self._guard:
+            self.lifts = lifts
 
     def lift(self, point: Point) -> None:
         """The file was put at `point`, past the anchor, on purpose (`restore`, `accept`):
-        the floor from there, a left mark cleared."""
+        the floor from there, a left or forked mark cleared, what was seen before put aside."""
         with self._guard:
-            self.point = point
-            self.left = False
+            self.left = self.forked = False
+            self._seen.clear()
+            self._saw(point)

@@ -102,13 +102,49 @@ def test_a_file_behind_its_anchor_is_judged_rolled_back() -> None:
     "text",
     ["", "a1.1", "a2.1." + "00" * MAC_BYTES, "a1.01." + "00" * MAC_BYTES, "a1.1.00",
      "a1.99999999999999999999." + "00" * MAC_BYTES, "a1.1." + "zz" * MAC_BYTES,
-     "a1.1." + "00" * MAC_BYTES + ".moved", "a1.1." + "00" * MAC_BYTES + ".left.left"],
+     "a1.1." + "00" * MAC_BYTES + ".moved", "a1.1." + "00" * MAC_BYTES + ".left.left",
+     "a1.1." + "00" * MAC_BYTES + ".l0", "a1.1." + "00" * MAC_BYTES + ".l01",
+     "a1.1." + "00" * MAC_BYTES + ".left.forked", "a1.1." + "00" * MAC_BYTES + ".forked.l2",
+     "a1.1." + "00" * MAC_BYTES + ".l2.l2"],
 )  # fmt: skip
 def test_an_anchor_memvault_did_not_write_is_refused(text: str) -> None:
     with pytest.raises(ValueError):
         chainanchor.decode(text)
     good = Point(3, bytes(range(MAC_BYTES)))
     assert chainanchor.decode(chainanchor.encode(good)) == good
+    for marks in ({"left": True}, {"forked": True, "lifts": 2}, {"lifts": 1}):
+        assert chainanchor.decode(chainanchor.encode(good, **marks)) == good  # type: ignore[arg-type]
+
+
+def test_an_anchor_recorded_of_another_history_is_marked_forked_not_moved() -> None:
+    """A process that saw the file hold one point at a `seq`, finding the anchor at that
+    `seq` with another, records nothing and marks it: no later point passes until a
+    lift, and a lift since the process read the anchor puts its sightings aside."""
+    ks, vault_id = KeyStore(), "mv-" + secrets.token_hex(12)
+    try:
+        recorded, ours = point(5), point(5)
+        chainanchor.advance(ks, vault_id, point(4))
+        seen = chainanchor.floor(ks, vault_id)
+        assert seen.passes(point(4)) is False  # another digest at the anchor's seq
+        assert seen.passes(ours) and seen.passes(point(6))
+        chainanchor.advance(ks, vault_id, recorded)  # another process, of another history
+        with pytest.raises(chainanchor.Forked):
+            chainanchor.advance(ks, vault_id, point(7), seen=seen)
+        assert chainanchor.read(ks, vault_id) == recorded
+        fresh = chainanchor.floor(ks, vault_id)
+        assert fresh.forked and not fresh.passes(point(8))
+        assert chainanchor.advance(ks, vault_id, point(8)) == recorded  # the mark stays
+        lifted = point(9)
+        fresh.lift(lifted)
+        assert chainanchor.advance(ks, vault_id, lifted, lifted=True, seen=fresh) == lifted
+        assert not chainanchor.floor(ks, vault_id).forked
+        # `seen` saw seq 5 hold `ours`; the anchor was lifted since: no fork told.
+        chainanchor.replace(ks, vault_id, None)
+        chainanchor.advance(ks, vault_id, recorded, lifted=True)
+        assert chainanchor.advance(ks, vault_id, point(10), seen=seen) is not None
+        assert chainanchor.read(ks, vault_id) is not None
+    finally:
+        chainanchor.forget(ks, vault_id)
 
 
 def test_an_anchor_left_by_a_key_move_passes_no_file_until_lifted_on_purpose() -> None:

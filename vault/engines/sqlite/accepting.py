@@ -55,8 +55,9 @@ def accept_history(vault: _File) -> Accepted:
         sealer = vault.check_kid(conn, sealer)
         key = chainops.key_of(sealer, vault.vault_id)
         n, matched = vaulthead.accept(conn, key, str(vault.path), floor.point if floor else None)
-        # A file naming a key source its keys left (chainanchor.leave) did not match either.
-        matched = matched and not (floor is not None and floor.left)
+        # A file naming a key source its keys left (chainanchor.leave), or one another
+        # process found forked from the recorded history, did not match either.
+        matched = matched and not (floor is not None and (floor.left or floor.forked))
         audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
     vault.record_anchor(lifted=True)
     return Accepted(n, matched)

@@ -167,9 +167,15 @@ class Anchored:
                 floor.lift(vh.point())
             if floor is not None and not floor.passes(vh.point()):
                 return None  # a file behind what was seen of it: never recorded as newer
-            held = chainanchor.advance(
-                store, meta["vault_id"], vh.point(), lifted=lifted, held=marked
-            )
+            try:
+                held = chainanchor.advance(
+                    store, meta["vault_id"], vh.point(), lifted=lifted, held=marked,
+                    seen=floor if into is None else None,
+                )  # fmt: skip
+            except chainanchor.Forked:
+                if floor is not None:
+                    floor.forked = True  # this process too reads and writes it no more
+                return None
             if floor is not None and held is not None:
                 floor.passes(held)  # raised: this process has seen the file get there
             return held

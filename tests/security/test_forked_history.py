@@ -1,0 +1,105 @@
+"""A process that did not see the newest recorded state of its vault file writes on
+from an older copy put back under it: a fork of the recorded history. Its writes take
+the file's vault head past the anchor's `seq`, which would pass every later check; the
+process tells the fork by the points it saw, marks the anchor and stops. A `restore`
+or `accept` put the file aside on purpose, which is no fork. Real file, real keyring,
+real `memvault` subprocesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import add_items, run_cli, user
+from tests.security.test_whole_file_rollback import anchor_seq, copy_of, file_seq, put_back
+from vault import HistoryTampered, Vault
+from vault.chaincheck import Tamper
+
+ROLLED_BACK = Tamper.FILE_ROLLED_BACK.value
+
+pytestmark = pytest.mark.secret_service
+
+
+def _told(db: Path) -> None:
+    r = run_cli("--json", "verify")
+    assert r.code == 1, r
+    assert ROLLED_BACK in str(r.json()["details"]["history_chain"]), r
+
+
+def test_a_process_that_missed_a_recorded_write_does_not_launder_the_copy_put_back(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> None:
+        stale = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            older = copy_of(vault_db, tmp_path / "older.db")
+            # Another process writes and records: the state the copy will take away.
+            await asyncio.to_thread(add_items, vault_db, "t", [user("recorded, then lost")])
+            put_back(older, vault_db)
+            _told(vault_db)
+            # The session still holds the anchor it read at its open, which the copy
+            # passes: it writes, then tells the fork as it records, and stops.
+            await stale.add_items([user("on the copy")])
+            _told(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await stale.add_items([user("past the recorded seq")])
+            assert caught.value.kind == ROLLED_BACK
+            with pytest.raises(HistoryTampered):
+                await stale.get_items()
+        finally:
+            stale.close()
+
+    asyncio.run(go())
+    _told(vault_db)
+    r = run_cli("show", "s")
+    assert r.code == 1 and r.out == "" and len(r.err.strip().splitlines()) == 1, r
+    assert "memvault accept" in r.err and "Traceback" not in r.err
+
+    r = run_cli("--json", "accept", "--yes")
+    assert r.code == 0 and r.json()["matched"] is False, r
+    assert run_cli("verify").code == 0
+    assert anchor_seq(vault) == file_seq(vault_db)
+    add_items(vault_db, "s", [user("after the accept")])
+    assert run_cli("verify").code == 0
+
+
+def test_a_session_open_across_an_accept_tells_no_fork(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """Its unrecorded writes were put aside on purpose by the `accept` of an older copy,
+    whose point the anchor then holds, at a `seq` the session saw hold its own write."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+    older = copy_of(vault_db, tmp_path / "older.db")
+
+    async def go() -> None:
+        early = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        other = vault_pkg.open_session("t", vault_db, anchor_every=3600)
+        try:
+            await other.add_items([user("recorded")])
+            for text in ("recorded", "unrecorded", "unrecorded too"):
+                await early.add_items([user(text)])
+            seen_by_early = file_seq(vault_db) - 1
+            assert anchor_seq(vault) == seen_by_early - 1
+            put_back(older, vault_db)
+            assert run_cli("accept", "--yes").code == 0
+            assert anchor_seq(vault) == file_seq(vault_db) == seen_by_early
+            await other.add_items([user("after the accept, within its interval")])
+            assert anchor_seq(vault) == seen_by_early
+            early.anchor_every = 0
+            await early.add_items([user("on the accepted history: recorded")])
+            assert anchor_seq(vault) == file_seq(vault_db)
+        finally:
+            other.close()
+            early.close()
+
+    asyncio.run(go())
+    assert run_cli("verify").code == 0
