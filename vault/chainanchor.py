@@ -166,7 +166,7 @@ def advance(
     being shredded: revoke and shred `forget` the anchor before the keys, so one still
     there is a mark not (yet) acted on, and one gone is not written again. `seen`: the
     recording process's floor; an anchor at a `seq` where it saw the file hold another
-    point is marked forked, and `Forked` raised: the file went on from an older state
+    point is marked forked, so is `seen`, and `Forked` raised: the file went on from an older state
     than the one recorded, which a `seq` past the anchor's would otherwise launder.
     A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
     The key service's set is check-and-set, read again on a race with another host."""
@@ -187,7 +187,8 @@ def advance(
                 store.set(entry_name(vault_id), _encoded(after))
             except Raced:
                 continue
-            if after.forked:
+            if after.forked and seen is not None:
+                seen.fork()  # the recording process reads and writes the file no more
                 raise Forked(vault_id)
             if seen is not None:
                 seen.relifted(after.lifts)
@@ -361,6 +362,11 @@ class Floor:
                 return False
             digest = self._seen.get(held.point.seq)
             return digest is not None and not _hmac.compare_digest(digest, held.point.digest)
+
+    def fork(self) -> None:
+        """This process found the file left the recorded history (`advance`)."""
+        with self._guard:
+            self.forked = True
 
     def relifted(self, lifts: int) -> None:
         """The anchor's lift count after this process's own record (`advance`): a lift

@@ -130,6 +130,7 @@ def test_an_anchor_recorded_of_another_history_is_marked_forked_not_moved() -> N
         chainanchor.advance(ks, vault_id, recorded)  # another process, of another history
         with pytest.raises(chainanchor.Forked):
             chainanchor.advance(ks, vault_id, point(7), seen=seen)
+        assert seen.forked and not seen.passes(point(8))
         assert chainanchor.read(ks, vault_id) == recorded
         fresh = chainanchor.floor(ks, vault_id)
         assert fresh.forked and not fresh.passes(point(8))

@@ -173,9 +173,7 @@ class Anchored:
                     seen=floor if into is None else None,
                 )  # fmt: skip
             except chainanchor.Forked:
-                if floor is not None:
-                    floor.forked = True  # this process too reads and writes it no more
-                return None
+                return None  # the anchor and this process's floor marked (`advance`)
             if floor is not None and held is not None:
                 floor.passes(held)  # raised: this process has seen the file get there
             return held
