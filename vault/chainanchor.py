@@ -18,7 +18,7 @@ import hmac as _hmac
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -155,7 +155,7 @@ def advance(
     point: Point,
     *,
     lifted: bool = False,
-    held: bool = False,
+    held: bool | Callable[[], bool] = False,
     seen: Floor | None = None,
 ) -> Point | None:
     """Record `point` as the newest state seen, and return what the anchor holds now:
@@ -164,13 +164,16 @@ def advance(
     and only they (`lifted`) write over a left or forked mark. `held`: only an anchor
     that exists moves (None: there is none), for a file whose rows say it is revoked or
     being shredded: revoke and shred `forget` the anchor before the keys, so one still
-    there is a mark not (yet) acted on, and one gone is not written again. `seen`: the
+    there is a mark not (yet) acted on, and one gone is not written again. A callable
+    `held` is asked inside the turn: a mark committed while this waited for the turn,
+    whose revoke forgot the anchor in the turn before, is seen. `seen`: the
     recording process's floor; an anchor at a `seq` where it saw the file hold another
     point is marked forked, so is `seen`, and `Forked` raised: the file went on from an older state
     than the one recorded, which a `seq` past the anchor's would otherwise launder.
     A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
     The key service's set is check-and-set, read again on a race with another host."""
     with _this_hosts_turn():
+        held = held() if callable(held) else held
         for _ in range(RACE_TRIES):
             entry = _held(store.get(entry_name(vault_id)))
             if entry is None:

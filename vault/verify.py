@@ -27,6 +27,7 @@ from vault.engines.sqlite.db import (
     check_header,
     is_damage,
     keep_temp_in_memory,
+    meta_rows,
     parse_ttl,
     refuse_odd_side_files,
 )
@@ -217,7 +218,7 @@ def _floor(vault: KeyLifecycle, sealer: crypto.Sealer) -> Floor | None:
 
 def _meta(conn: sqlite3.Connection, report: VerifyReport) -> dict[str, str]:
     try:
-        meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+        meta = meta_rows(conn)
     except sqlite3.OperationalError as exc:
         if is_damage(exc):
             raise

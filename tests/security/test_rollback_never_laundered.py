@@ -9,11 +9,13 @@ file, real keyring, real `memvault` subprocesses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,35 +216,91 @@ def test_a_restore_is_no_rollback_to_a_process_that_read_unrecorded_writes(
     assert run_cli("verify").code == 0
 
 
-@pytest.mark.parametrize("mark", ["revoked_at", "shred_started"])
-def test_a_revoke_or_shred_mark_written_under_an_open_session_does_not_stop_its_records(
-    vault: Vault, vault_db: Path, tmp_path: Path, mark: str
+# How each row no MAC covers is changed under the open session, and put back as it was
+# in the copy: a mark added (then taken out), the vault id replaced, a required row deleted.
+_CHANGES = {
+    "revoked_at": "INSERT OR REPLACE INTO memvault_meta VALUES ('revoked_at', '2026-01-01')",
+    "shred_started": "INSERT OR REPLACE INTO memvault_meta VALUES ('shred_started', 'x')",
+    "backup_of": "INSERT OR REPLACE INTO memvault_meta VALUES ('backup_of', 'elsewhere')",
+    "vault_id": "UPDATE memvault_meta SET value = 'another-vault' WHERE key = 'vault_id'",
+    "format": "DELETE FROM memvault_meta WHERE key = 'format'",
+}
+
+
+def _rows(db: Path) -> dict[str, str]:
+    with sqlite3.connect(db) as conn:
+        rows = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    conn.close()
+    return rows
+
+
+@pytest.mark.parametrize("change", sorted(_CHANGES))
+def test_meta_rows_changed_under_an_open_session_do_not_stop_its_records(
+    vault: Vault, vault_db: Path, tmp_path: Path, change: str
 ) -> None:
-    """Meta rows no MAC covers: a mark that no revoke or shred acted on (the anchor is
-    still there) stops no record, so a copy from past it, put back without it, is behind."""
+    """Meta rows no MAC covers: a record goes by the vault id and backup state the
+    session judged the file by, and a mark that no revoke or shred acted on (the anchor
+    is still there) stops none, so a copy from past the change, put back without it,
+    is behind."""
     import vault as vault_pkg
+    from vault import chainanchor
+    from vault.keys import KeyStore
 
     add_items(vault_db, "s", [user("first")])
+    rows = _rows(vault_db)
+    vid = rows["vault_id"]  # read before the change: the vault's, whatever the rows say
 
     async def go() -> Path:
         s = vault_pkg.open_session("s", vault_db, anchor_every=0)
         try:
-            _mark(vault_db, {mark: "2026-01-01T00:00:00Z"})
+            await s.add_items([user("judged as it was")])
+            with sqlite3.connect(vault_db) as conn:
+                conn.execute(_CHANGES[change])
+            conn.close()
             await s.add_items([user("second")])
             older = copy_of(vault_db, tmp_path / "between.db")
             await s.add_items([user("third, taken away")])
-            assert anchor_seq(vault) == file_seq(vault_db)
+            recorded = chainanchor.read(KeyStore(), vid)
+            assert recorded is not None and recorded.seq == file_seq(vault_db)
             return older
         finally:
             s.close()
 
     older = asyncio.run(go())
     with sqlite3.connect(older) as conn:
-        conn.execute("DELETE FROM memvault_meta WHERE key = ?", (mark,))
+        conn.execute("DELETE FROM memvault_meta")
+        conn.executemany("INSERT INTO memvault_meta VALUES (?, ?)", rows.items())
     conn.close()
     put_back(older, vault_db)
     r = run_cli("--json", "verify")
     assert r.code == 1 and ROLLED_BACK in str(r.json()["details"]["history_chain"]), r
+
+
+def test_a_record_that_read_the_file_before_a_revoke_does_not_write_its_anchor_back(
+    vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record reads the file, then a whole revoke runs (its mark, the anchor forgotten,
+    the keys destroyed), then the record takes its turn at the anchor: it asks the file
+    again there, and leaves no anchor that a later revoke would not remove."""
+    from vault import chainanchor
+    from vault.engines.sqlite.anchoring import Anchored
+    from vault.keys import KeyStore
+
+    add_items(vault_db, "s", [user("before the revoke")])
+    recorder = Vault.open(vault_db)
+    recorder.sealer()
+    assert recorder.record_anchor() is not None
+    real = Anchored._snapshot_meta
+
+    @contextlib.contextmanager
+    def then_a_revoke(self: Anchored) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:
+        with real(self) as snapshot:
+            yield snapshot
+        assert run_cli("revoke", "--yes").code == 0  # before the record's turn
+
+    monkeypatch.setattr(Anchored, "_snapshot_meta", then_a_revoke)
+    assert recorder.record_anchor() is None
+    assert chainanchor.read(KeyStore(), vault.vault_id) is None
 
 
 def test_a_session_open_across_a_revoke_writes_no_anchor_again(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 from vault import backupmark
-from vault.engines.sqlite.db import read_meta, set_meta
+from vault.engines.sqlite.db import meta_rows, read_meta, set_meta
 from vault.errors import KeyProblem, VaultError
 from vault.keysource.store import anchor_store, marked_left, serves
 
@@ -96,6 +96,10 @@ class Anchored:
     _sealer: crypto.Sealer | None
     _floor: Floor | None = None
     _floor_read = False
+    # The vault id, and whether a backup, as the floor was read: the rows no MAC covers
+    # are not asked again by a record (changed under an open session, they would stop
+    # its records, and a copy from past the change, put back, would pass).
+    _judged: tuple[str, bool] | None = None
 
     if TYPE_CHECKING:  # the Vault's own (vault.engines.sqlite.db, .lifecycle)
 
@@ -119,7 +123,9 @@ class Anchored:
         reads of this process raise it from there)."""
         if not self._floor_read:
             sealer = self.sealer()
-            self._floor = floor_for(self.meta(), sealer, self.keystore, self.path)
+            meta = self.meta()
+            self._floor = floor_for(meta, sealer, self.keystore, self.path)
+            self._judged = (meta["vault_id"], backupmark.is_backup(meta))
             self._floor_read = True
         return self._floor
 
@@ -138,18 +144,16 @@ class Anchored:
         from vault import chainanchor, chainops
         from vault.engines.sqlite import vaulthead
 
-        with contextlib.suppress(VaultError, sqlite3.Error, OSError, ValueError):
+        with contextlib.suppress(VaultError, sqlite3.Error, OSError, ValueError, KeyError):
             store = anchor_store(into or self.keystore)
+            floor = self.anchor_floor()
+            if self._judged is None or self._judged[1]:  # a backup, as opened
+                return None
+            vid = self._judged[0]
             with self._snapshot_meta() as (conn, meta):
-                # The file's own key source, read now: a `key move` may have run since
-                # this object chose its store (the anchor goes with the move).
-                if backupmark.is_backup(meta):
-                    return None
                 # Rows no MAC covers: believed only as far as revoke or shred acted on them
-                # (the anchor forgotten). Else, a mark written under an open session would
-                # stop its records, and a copy from past them, put back, would pass.
-                marked = bool({"revoked_at", "shred_started"} & set(meta))
-                keys = chainops.keys_for(self._sealer, meta["vault_id"])
+                # (the anchor forgotten), asked again in the anchor's turn (`_marked`).
+                keys = chainops.keys_for(self._sealer, vid)
                 if into is not None:
                     vh = vaulthead.authentic(conn, keys)
                 else:
@@ -162,14 +166,13 @@ class Anchored:
                         vh = None
             if vh is None:
                 return None
-            floor = self.anchor_floor()
             if floor is not None and lifted:
                 floor.lift(vh.point())
             if floor is not None and not floor.passes(vh.point()):
                 return None  # a file behind what was seen of it: never recorded as newer
             try:
                 held = chainanchor.advance(
-                    store, meta["vault_id"], vh.point(), lifted=lifted, held=marked,
+                    store, vid, vh.point(), lifted=lifted, held=self._marked,
                     seen=floor if into is None else None,
                 )  # fmt: skip
             except chainanchor.Forked:
@@ -236,7 +239,17 @@ class Anchored:
     def _snapshot_meta(self) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:
         with self.connection() as conn:
             conn.execute("BEGIN")  # deferred: the meta and the vault head of one snapshot
-            yield conn, read_meta(conn, self.path)
+            yield conn, meta_rows(conn)  # a required row deleted stops no record
+
+    def _marked(self) -> bool:
+        """In the anchor's turn: whether the file is marked revoked or being shredded.
+        Never waits on SQLite (a shred holds the file as it waits for the turn): a file
+        not to be read at once counts as marked, which moves only an anchor still there."""
+        try:
+            with self.connection(timeout=0) as conn:
+                return bool({"revoked_at", "shred_started"} & set(meta_rows(conn)))
+        except (VaultError, sqlite3.Error, OSError):
+            return True
 
 
 def head_reader(live: Anchored) -> HeadReader:

@@ -170,9 +170,14 @@ def _sqlite_finds_it_whole(path: Path) -> bool:
 # --------------------------------------------------------------------------
 # The meta and audit rows
 # --------------------------------------------------------------------------
+def meta_rows(conn: sqlite3.Connection) -> dict[str, str]:
+    """The meta table's rows as they are, none required (`read_meta` checks them)."""
+    return dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+
+
 def read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
     try:
-        meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+        meta = meta_rows(conn)
     except sqlite3.OperationalError as exc:
         # SQLite has no code of its own for a missing table (SQLITE_ERROR): look.
         if (

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vault import erase, files, paths, testhooks
-from vault.engines.sqlite.db import connect, is_busy, is_damage, sqlite_errors
+from vault.engines.sqlite.db import connect, is_busy, is_damage, meta_rows, sqlite_errors
 from vault.engines.sqlite.schema import MESSAGES_TABLE, SESSIONS_TABLE, SQLITE_MAGIC
 from vault.errors import BadInput, OperationFailed
 
@@ -150,7 +150,7 @@ def _settle(target: Path, adjust: Adjust) -> tuple[str, str, int, int]:
                     f"the copy written to {target} fails SQLite's integrity check "
                     f"({check[0][0]}); the backup was not made; run `memvault verify`"
                 )
-            meta = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+            meta = meta_rows(conn)
             items = conn.execute(f"SELECT count(*) FROM {MESSAGES_TABLE}").fetchone()[0]
             sessions = conn.execute(
                 f"SELECT count(*) FROM (SELECT session_id FROM {SESSIONS_TABLE} UNION "

@@ -56,6 +56,7 @@ from vault.engines.sqlite.db import (
     audit,
     connect,
     lock_exclusively,
+    meta_rows,
     peek,
     read_meta,
     set_meta,
@@ -362,7 +363,7 @@ def _carry_wrapped(conn: sqlite3.Connection, replaced: dict[str, str]) -> None:
     """The replaced vault's wrapped keys, for the versions the journal now keeps, when
     both use the same transit key: as a keyring vault's versions stay in the keyring,
     the restored vault then holds every version it names (and a kit carries them)."""
-    restored = dict(conn.execute("SELECT key, value FROM memvault_meta").fetchall())
+    restored = meta_rows(conn)
     if not is_transit(restored) or not same_source(restored, replaced):
         return
     conn.executemany(
