@@ -8,22 +8,21 @@ another digest, was rolled back. It only moves forward: `restore`, and `accept` 
 a file put back by hand, write a vault head past it, which it then moves to. It is
 written after the write it records has committed, so that a kill between the two
 leaves it behind the file (a window, never a false alarm). Who moves it:
-vault.engines.sqlite.anchoring; how a process judges by it: `Floor`.
+vault.engines.sqlite.anchoring; how a process judges by it: vault.chainfloor.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac as _hmac
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from vault.chain import MAC_BYTES, count_of, hex_text, unhex
-from vault.chainvault import ZERO, Point, behind
+from vault.chainfloor import Entry, Floor
+from vault.chainvault import ZERO, Point
+from vault.errors import VaultError
 
 ANCHOR_VERSION = "a1"
 # What the anchor holds from the moment a vault's history is chained (its creation, or
@@ -41,8 +40,6 @@ LEFT = "left"
 # file put back, then written on by a process that had not seen the state recorded
 # (`Forked`). No vault head passes it until `restore` or `accept`.
 FORKED = "forked"
-# How many of the vault heads it has seen a process keeps to judge the anchor by.
-SEEN_MAX = 4096
 LOCK_NAME = "anchor.lock"  # in the user's cache folder: this host's turn to record
 
 
@@ -55,18 +52,6 @@ class Forked(Exception):
     """The anchor holds a point at a `seq` where this process saw the file hold another
     one: the file it is about to record went on from an older state than the anchor's
     (`advance`). The anchor is marked (`FORKED`), not moved."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """What an anchor entry holds: the point; `left` (`leave`) or `forked` marks; and
-    `lifts`, how many times `restore` or `accept` have put the file past it on purpose
-    (a process that saw the file before a lift does not judge it by what it saw)."""
-
-    point: Point
-    left: bool = False
-    forked: bool = False
-    lifts: int = 0
 
 
 class Store(Protocol):
@@ -144,8 +129,20 @@ def floor(store: Store, vault_id: str, *, named: bool = True, source: str | None
     if text is None:
         return Floor(source=source)
     held = _parse(text)
+
+    def now() -> Entry | None:
+        try:
+            return _held(store.get(entry_name(vault_id)))
+        except (VaultError, OSError):
+            return None  # out of reach: judged by what this process knows
+
     return Floor(
-        held.point, left=held.left and named, forked=held.forked, lifts=held.lifts, source=source
+        held.point,
+        left=held.left and named,
+        forked=held.forked,
+        lifts=held.lifts,
+        source=source,
+        anchor_now=now,
     )
 
 
@@ -295,92 +292,3 @@ def is_chained(store: Store, vault_id: str) -> bool:
         others = (v for v in store.vault_ids() if v != vault_id)
         return any(store.get(entry_name(v)) is not None for v in others)
     return False
-
-
-class Floor:
-    """The newest point a process knows its vault file reached: the anchor as read when
-    the key was loaded, raised by every vault head the process has since found matching
-    its heads. A vault head behind it is a file put back from an older copy, including
-    under a session that is open (its floor is then past the anchor).
-
-    `exact`: a backup's, its own sealed point (it never takes a write), which its vault
-    head must equal. `left`: the anchor of a key source the vault's keys moved away from
-    (`leave`); `forked`: an anchor marked so (`advance`); no vault head passes either
-    until `lift`. It keeps the points it passed (at most SEEN_MAX, by `seq`), to tell
-    an anchor recorded of another history (`contradicts`), and the anchor's lift count
-    when they were seen (`lifts`)."""
-
-    def __init__(
-        self,
-        point: Point | None = None,
-        *,
-        exact: bool = False,
-        left: bool = False,
-        forked: bool = False,
-        lifts: int = 0,
-        source: str | None = None,
-    ) -> None:
-        self.point = point
-        self.exact = exact
-        self.left = left
-        self.forked = forked
-        self.lifts = lifts
-        self.source = source  # the key source it was read through (vaulthead.store_source)
-        self._seen: dict[int, bytes] = {}
-        self._guard = threading.Lock()  # the SDK's reads run in worker threads
-
-    def passes(self, point: Point) -> bool:
-        """Whether a vault head at `point`, authentic and matching its heads, is not
-        older than the floor; the floor moves up to it."""
-        with self._guard:
-            if self.left or self.forked:
-                return False  # the vault's keys left the source this file names, or forked
-            if self.point is None:
-                if self.exact:
-                    return True  # a backup made before backups recorded their point
-                self._saw(point)
-                return True
-            if self.exact:
-                return point == self.point
-            if behind(point, self.point):
-                return False
-            self._saw(point)
-            return True
-
-    def _saw(self, point: Point) -> None:
-        self.point = point
-        self._seen.pop(point.seq, None)  # re-inserted last: the oldest sightings go first
-        self._seen[point.seq] = point.digest
-        if len(self._seen) > SEEN_MAX:
-            del self._seen[next(iter(self._seen))]
-
-    def contradicts(self, held: Entry) -> bool:
-        """Whether the anchor `held` is at a `seq` where this process saw the file hold
-        another point: one history has one point at each `seq`. Not after a lift this
-        process did not see: what it saw before may be of a history put aside on purpose."""
-        with self._guard:
-            if held.lifts != self.lifts:
-                self._seen.clear()
-                self.lifts = held.lifts
-                return False
-            digest = self._seen.get(held.point.seq)
-            return digest is not None and not _hmac.compare_digest(digest, held.point.digest)
-
-    def fork(self) -> None:
-        """This process found the file left the recorded history (`advance`)."""
-        with self._guard:
-            self.forked = True
-
-    def relifted(self, lifts: int) -> None:
-        """The anchor's lift count after this process's own record (`advance`): a lift
-        of its own has put aside what it saw already (`lift`)."""
-        with self._guard:
-            self.lifts = lifts
-
-    def lift(self, point: Point) -> None:
-        """The file was put at `point`, past the anchor, on purpose (`restore`, `accept`):
-        the floor from there, a left or forked mark cleared, what was seen before put aside."""
-        with self._guard:
-            self.left = self.forked = False
-            self._seen.clear()
-            self._saw(point)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from vault import crypto, retention
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
     from vault.files import Progress
     from vault.import_source import Plan
     from vault.keys import KeyStore

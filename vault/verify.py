@@ -44,7 +44,7 @@ from vault.errors import KeyProblem, KeyRevoked, NotAVault, VaultBusy, VaultErro
 from vault.keys import KeyStore
 
 if TYPE_CHECKING:
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
 
 T = TypeVar("T")
 

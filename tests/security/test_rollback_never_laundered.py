@@ -216,6 +216,34 @@ def test_a_restore_is_no_rollback_to_a_process_that_read_unrecorded_writes(
     assert run_cli("verify").code == 0
 
 
+def test_an_accept_is_no_rollback_to_a_process_that_read_unrecorded_writes(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """Another process's `accept` lifts the anchor on purpose: a `Vault` object that read
+    writes the anchor never saw, and told the older copy put back, judges the accepted
+    file by the anchor as it is now, as a fresh open does, not by what it saw before."""
+    add_items(vault_db, "s", [user("before")])
+    older = copy_of(vault_db, tmp_path / "older.db")
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITE_THEN_DIE, str(vault_db), "3600", str(tmp_path / "c.db")],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert file_seq(vault_db) - anchor_seq(vault) == 2  # two writes the anchor never saw
+    reader = Vault.open(vault_db)
+    assert reader.history_verdict("s") is None  # its floor is now past the anchor
+
+    put_back(older, vault_db)
+    assert reader.history_verdict("s") == ROLLED_BACK
+    r = run_cli("accept", "--yes")
+    assert r.code == 0, r
+    assert reader.history_verdict("s") is None
+    assert len(list(reader.opened_items("s"))) == 1
+    put_back(older, vault_db)  # the state before the accept: behind its anchor, told
+    assert reader.history_verdict("s") == ROLLED_BACK
+    assert run_cli("verify").code == 1
+
+
 # How each row no MAC covers is changed under the open session, and put back as it was
 # in the copy: a mark added (then taken out), the vault id replaced, a required row deleted.
 _CHANGES = {
@@ -274,6 +302,79 @@ def test_meta_rows_changed_under_an_open_session_do_not_stop_its_records(
     put_back(older, vault_db)
     r = run_cli("--json", "verify")
     assert r.code == 1 and ROLLED_BACK in str(r.json()["details"]["history_chain"]), r
+
+
+def test_an_object_that_judged_a_backup_copied_over_the_vault_records_after_a_restore(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A `Vault` object that first judged the live path while a backup was copied over
+    it records again once `restore` made the file the live vault, so a copy from
+    between its later writes, put back, is behind."""
+    add_items(vault_db, "s", [user("one")])
+    backup = tmp_path / "b.db"
+    assert run_cli("backup", str(backup)).code == 0
+    add_items(vault_db, "s", [user("two")])
+    put_back(backup, vault_db)
+    v = Vault.open(vault_db)
+    v.session("s").close()  # its floor read: a backup at the live path
+    for side in ("-wal", "-shm"):  # moved elsewhere, as the refusal says
+        Path(f"{vault_db}{side}").unlink(missing_ok=True)
+    vault_db.rename(tmp_path / "moved.db")
+    assert run_cli("restore", str(backup), "--yes").code == 0
+
+    async def go() -> Path:
+        s = v.session("t")
+        s.anchor_every = 0
+        try:
+            await s.add_items([user("after the restore")])
+            between = copy_of(vault_db, tmp_path / "between.db")
+            await s.add_items([user("taken away")])
+            assert anchor_seq(vault) == file_seq(vault_db)
+            return between
+        finally:
+            s.close()
+
+    put_back(asyncio.run(go()), vault_db)
+    r = run_cli("--json", "verify")
+    assert r.code == 1 and ROLLED_BACK in str(r.json()["details"]["history_chain"]), r
+
+
+_OPEN_WRITE_CLOSE = """
+import sqlite3, sys, time
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:  # each close the last connection: a checkpoint, exclusive
+    c = sqlite3.connect(sys.argv[1], timeout=30, isolation_level=None)
+    c.execute("BEGIN IMMEDIATE")
+    c.execute("INSERT INTO scratch VALUES (randomblob(2000))")
+    c.execute("COMMIT")
+    c.close()
+"""
+
+
+def test_a_missing_anchor_is_created_beside_a_busy_writer(vault: Vault, vault_db: Path) -> None:
+    """A record asks the file for revoke marks again in the anchor's turn: a file busy
+    for a moment (another process's commit, a last connection's checkpoint) is waited
+    for, not taken for a marked one, which would create no missing anchor."""
+    from vault import chainanchor
+    from vault.keys import KeyStore
+
+    add_items(vault_db, "s", [user("one")])
+    with sqlite3.connect(vault_db) as conn:
+        conn.execute("CREATE TABLE scratch (b BLOB)")
+    conn.close()
+    writer = subprocess.Popen([sys.executable, "-c", _OPEN_WRITE_CLOSE, str(vault_db), "120"])
+    try:
+        created = 0
+        for _ in range(30):
+            chainanchor.forget(KeyStore(), vault.vault_id)
+            recorder = Vault.open(vault_db)
+            recorder.sealer()
+            created += recorder.record_anchor() is not None
+        assert writer.poll() is None  # the writer wrote throughout
+    finally:
+        writer.kill()
+        writer.wait()
+    assert created == 30
 
 
 def test_a_record_that_read_the_file_before_a_revoke_does_not_write_its_anchor_back(

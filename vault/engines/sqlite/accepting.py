@@ -20,7 +20,7 @@ from vault.engines.sqlite.db import audit
 from vault.results import Accepted
 
 if TYPE_CHECKING:
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
     from vault.chainvault import Point
 
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from vault import crypto
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
     from vault.chainvault import Point
     from vault.keys import KeyStore
 
@@ -42,7 +42,7 @@ def backup_floor(
     has. None for a backup with no seal: made where its key could not be loaded (a copy
     worth having all the same), or of an unchained vault."""
     from vault import chainops, chainvault
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
     from vault.chainvault import Point
 
     text = meta.get(backupmark.BACKUP_POINT)
@@ -70,7 +70,7 @@ def floor_for(
     backup, the anchor for a live vault (the keyring's, or a transit vault's key
     service's), or for a backup copied back over it."""
     from vault import chainanchor
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
     from vault.engines.sqlite.vaulthead import store_source
 
     # The source this process reads the file through: a file naming another one at its
@@ -85,6 +85,10 @@ def floor_for(
         return Floor(source=through)
 
 
+# How long a record, in this host's anchor turn, waits to read the file's marks: a
+# writer's commit or a last connection's checkpoint is over by then, a shred is not.
+MARK_WAIT = 0.5
+
 # `head_reader`'s: a file's vault head point, None when none authenticates (or no key).
 HeadReader: TypeAlias = "Callable[[sqlite3.Connection], Point | None]"
 
@@ -96,9 +100,10 @@ class Anchored:
     _sealer: crypto.Sealer | None
     _floor: Floor | None = None
     _floor_read = False
-    # The vault id, and whether a backup, as the floor was read: the rows no MAC covers
-    # are not asked again by a record (changed under an open session, they would stop
-    # its records, and a copy from past the change, put back, would pass).
+    # The vault id, and whether a backup, as the floor was read: rows no MAC covers,
+    # changed under an open session, must not stop its records (a copy from past the
+    # change, put back, would pass). A record stops for a backup only while the file
+    # still says so: one `restore` made the live vault again records.
     _judged: tuple[str, bool] | None = None
 
     if TYPE_CHECKING:  # the Vault's own (vault.engines.sqlite.db, .lifecycle)
@@ -147,10 +152,12 @@ class Anchored:
         with contextlib.suppress(VaultError, sqlite3.Error, OSError, ValueError, KeyError):
             store = anchor_store(into or self.keystore)
             floor = self.anchor_floor()
-            if self._judged is None or self._judged[1]:  # a backup, as opened
+            if self._judged is None:
                 return None
-            vid = self._judged[0]
+            vid, was_backup = self._judged
             with self._snapshot_meta() as (conn, meta):
+                if was_backup and backupmark.is_backup(meta):
+                    return None  # a backup, as judged and still: a mark added does not stop
                 # Rows no MAC covers: believed only as far as revoke or shred acted on them
                 # (the anchor forgotten), asked again in the anchor's turn (`_marked`).
                 keys = chainops.keys_for(self._sealer, vid)
@@ -243,10 +250,10 @@ class Anchored:
 
     def _marked(self) -> bool:
         """In the anchor's turn: whether the file is marked revoked or being shredded.
-        Never waits on SQLite (a shred holds the file as it waits for the turn): a file
-        not to be read at once counts as marked, which moves only an anchor still there."""
+        Waits on SQLite only briefly (a shred holds the file as it waits for the turn): a
+        file not to be read by then counts as marked, which moves only an anchor there."""
         try:
-            with self.connection(timeout=0) as conn:
+            with self.connection(timeout=MARK_WAIT) as conn:
                 return bool({"revoked_at", "shred_started"} & set(meta_rows(conn)))
         except (VaultError, sqlite3.Error, OSError):
             return True

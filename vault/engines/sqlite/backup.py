@@ -40,7 +40,7 @@ from vault.keyjournal import DESTROYED, PENDING, ROTATING_FROM
 
 if TYPE_CHECKING:
     # Not Vault: its `backup` imports this module (no import circle).
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
     from vault.engines.sqlite.lifecycle import KeyLifecycle
 
 KEY_OK = "present and matching"

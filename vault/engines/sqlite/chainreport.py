@@ -13,7 +13,7 @@ from vault.chaincheck import Tamper
 from vault.engines.sqlite import chainrows, vaulthead
 
 if TYPE_CHECKING:
-    from vault.chainanchor import Floor
+    from vault.chainfloor import Floor
 
 
 class Report(Protocol):

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from vault import chain, chainops, crypto
 from vault.chain import ChainKey, Head
-from vault.chainanchor import Floor
 from vault.chaincheck import Verdict, check, check_tail
+from vault.chainfloor import Floor
 from vault.chainops import BUILDING, ON
 from vault.chainops import key_of as key_of  # for the engine's callers: one import
 from vault.chainops import keys_for as keys_for

@@ -14,8 +14,8 @@ from cryptography.fernet import InvalidToken
 
 from vault import chainops
 from vault.chain import ChainKey, Head, Link
-from vault.chainanchor import Floor
 from vault.chaincheck import Tamper, check, check_tail
+from vault.chainfloor import Floor
 from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.chainrows import after_pop, append, read_head, session_rows
 from vault.engines.sqlite.schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 from vault import chainops, chainvault
 from vault.chain import ChainKey, Head, head_ok
-from vault.chainanchor import Floor
 from vault.chaincheck import Tamper
+from vault.chainfloor import Floor
 from vault.chainops import CHAIN_META, ON
 from vault.chainvault import Point, VaultHead
 from vault.engines.sqlite.db import set_meta
