@@ -22,7 +22,6 @@ from typing import Protocol, runtime_checkable
 from vault.chain import MAC_BYTES, count_of, hex_text, unhex
 from vault.chainfloor import Entry, Floor
 from vault.chainvault import ZERO, Point
-from vault.errors import VaultError
 
 ANCHOR_VERSION = "a1"
 # What the anchor holds from the moment a vault's history is chained (its creation, or
@@ -129,20 +128,8 @@ def floor(store: Store, vault_id: str, *, named: bool = True, source: str | None
     if text is None:
         return Floor(source=source)
     held = _parse(text)
-
-    def now() -> Entry | None:
-        try:
-            return _held(store.get(entry_name(vault_id)))
-        except (VaultError, OSError):
-            return None  # out of reach: judged by what this process knows
-
     return Floor(
-        held.point,
-        left=held.left and named,
-        forked=held.forked,
-        lifts=held.lifts,
-        source=source,
-        anchor_now=now,
+        held.point, left=held.left and named, forked=held.forked, lifts=held.lifts, source=source
     )
 
 

@@ -1,14 +1,12 @@
 """What a process knows of its vault file's anchor (vault.chainanchor): the entry's
 parts (`Entry`) and the floor (`Floor`) every vault head this process reads is judged
-against. Pure: no store, no file; the floor asks the anchor again through a function
-it was given, only when a vault head does not pass it.
+against. Pure: no store, no file.
 """
 
 from __future__ import annotations
 
 import hmac as _hmac
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from vault.chainvault import Point, behind
@@ -40,9 +38,7 @@ class Floor:
     (`leave`); `forked`: an anchor marked so (`advance`); no vault head passes either
     until `lift`. It keeps the points it passed (at most SEEN_MAX, by `seq`), to tell
     an anchor recorded of another history (`contradicts`), and the anchor's lift count
-    when they were seen (`lifts`). `anchor_now`: the anchor entry as it is now, asked
-    when a vault head does not pass; lifted by another process since, it is the floor
-    then, as it would be for a fresh open."""
+    when they were seen (`lifts`)."""
 
     def __init__(
         self,
@@ -53,10 +49,8 @@ class Floor:
         forked: bool = False,
         lifts: int = 0,
         source: str | None = None,
-        anchor_now: Callable[[], Entry | None] | None = None,
     ) -> None:
         self.point = point
-        self._anchor_now = anchor_now
         self.exact = exact
         self.left = left
         self.forked = forked
@@ -72,19 +66,9 @@ class Floor:
             stopped = self.left or self.forked  # keys left the source the file names, or forked
             if self.exact:  # a backup's: its own point (None: made before seals were)
                 return not stopped and (self.point is None or point == self.point)
-            if not stopped and (self.point is None or not behind(point, self.point)):
-                self._saw(point)
-                return True
-            # Left, forked or behind: unless another process has lifted the anchor since
-            # (`accept`, `restore`), which put what this one saw aside on purpose; it is
-            # then judged as a fresh open is, by the anchor as it is now.
-            held = None if self._anchor_now is None else self._anchor_now()
-            if held is None or held.lifts == self.lifts or held.left or held.forked:
+            if stopped or (self.point is not None and behind(point, self.point)):
                 return False
-            if behind(point, held.point):
-                return False
-            self.lifts = held.lifts
-            self._lifted(point)
+            self._saw(point)
             return True
 
     def _saw(self, point: Point) -> None:
@@ -121,9 +105,6 @@ class Floor:
         """The file was put at `point`, past the anchor, on purpose (`restore`, `accept`):
         the floor from there, a left or forked mark cleared, what was seen before put aside."""
         with self._guard:
-            self._lifted(point)
-
-    def _lifted(self, point: Point) -> None:
-        self.left = self.forked = False
-        self._seen.clear()
-        self._saw(point)
+            self.left = self.forked = False
+            self._seen.clear()
+            self._saw(point)

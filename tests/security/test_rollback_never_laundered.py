@@ -216,34 +216,6 @@ def test_a_restore_is_no_rollback_to_a_process_that_read_unrecorded_writes(
     assert run_cli("verify").code == 0
 
 
-def test_an_accept_is_no_rollback_to_a_process_that_read_unrecorded_writes(
-    vault: Vault, vault_db: Path, tmp_path: Path
-) -> None:
-    """Another process's `accept` lifts the anchor on purpose: a `Vault` object that read
-    writes the anchor never saw, and told the older copy put back, judges the accepted
-    file by the anchor as it is now, as a fresh open does, not by what it saw before."""
-    add_items(vault_db, "s", [user("before")])
-    older = copy_of(vault_db, tmp_path / "older.db")
-    proc = subprocess.run(
-        [sys.executable, "-c", WRITE_THEN_DIE, str(vault_db), "3600", str(tmp_path / "c.db")],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert file_seq(vault_db) - anchor_seq(vault) == 2  # two writes the anchor never saw
-    reader = Vault.open(vault_db)
-    assert reader.history_verdict("s") is None  # its floor is now past the anchor
-
-    put_back(older, vault_db)
-    assert reader.history_verdict("s") == ROLLED_BACK
-    r = run_cli("accept", "--yes")
-    assert r.code == 0, r
-    assert reader.history_verdict("s") is None
-    assert len(list(reader.opened_items("s"))) == 1
-    put_back(older, vault_db)  # the state before the accept: behind its anchor, told
-    assert reader.history_verdict("s") == ROLLED_BACK
-    assert run_cli("verify").code == 1
-
-
 # How each row no MAC covers is changed under the open session, and put back as it was
 # in the copy: a mark added (then taken out), the vault id replaced, a required row deleted.
 _CHANGES = {

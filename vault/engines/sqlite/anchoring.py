@@ -104,7 +104,7 @@ class Anchored:
     # changed under an open session, must not stop its records (a copy from past the
     # change, put back, would pass). A record stops for a backup only while the file
     # still says so: one `restore` made the live vault again records.
-    _judged: tuple[str, bool] | None = None
+    _judged: tuple[str, bool, bool] | None = None  # vault id, backup, backup elsewhere
 
     if TYPE_CHECKING:  # the Vault's own (vault.engines.sqlite.db, .lifecycle)
 
@@ -130,7 +130,9 @@ class Anchored:
             sealer = self.sealer()
             meta = self.meta()
             self._floor = floor_for(meta, sealer, self.keystore, self.path)
-            self._judged = (meta["vault_id"], backupmark.is_backup(meta))
+            backup = backupmark.is_backup(meta)
+            away = backup and not at_its_source(meta, self.path)
+            self._judged = (meta["vault_id"], backup, away)
             self._floor_read = True
         return self._floor
 
@@ -154,10 +156,10 @@ class Anchored:
             floor = self.anchor_floor()
             if self._judged is None:
                 return None
-            vid, was_backup = self._judged
+            vid, was_backup, away = self._judged
             with self._snapshot_meta() as (conn, meta):
-                if was_backup and backupmark.is_backup(meta):
-                    return None  # a backup, as judged and still: a mark added does not stop
+                if away or (was_backup and backupmark.is_backup(meta)):
+                    return None  # a backup, as judged and still (a mark added stops none)
                 # Rows no MAC covers: believed only as far as revoke or shred acted on them
                 # (the anchor forgotten), asked again in the anchor's turn (`_marked`).
                 keys = chainops.keys_for(self._sealer, vid)
