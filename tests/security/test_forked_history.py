@@ -70,11 +70,13 @@ def test_a_process_that_missed_a_recorded_write_does_not_launder_the_copy_put_ba
     assert run_cli("verify").code == 0
 
 
-def test_a_session_open_across_an_accept_tells_no_fork(
+def test_a_session_open_across_an_accept_is_told_and_marks_no_fork(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:
-    """Its unrecorded writes were put aside on purpose by the `accept` of an older copy,
-    whose point the anchor then holds, at a `seq` the session saw hold its own write."""
+    """The `accept` of an older copy put aside, on purpose, writes of a session that the
+    anchor never saw. The session wrote a state the file no longer holds: it is told
+    until it is opened again, and marks no fork; opened again, it writes and records on
+    the accepted history, and every reader passes it."""
     import vault as vault_pkg
 
     add_items(vault_db, "s", [user("first")])
@@ -94,12 +96,18 @@ def test_a_session_open_across_an_accept_tells_no_fork(
             assert anchor_seq(vault) == file_seq(vault_db) == seen_by_early
             await other.add_items([user("after the accept, within its interval")])
             assert anchor_seq(vault) == seen_by_early
-            early.anchor_every = 0
-            await early.add_items([user("on the accepted history: recorded")])
-            assert anchor_seq(vault) == file_seq(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await early.add_items([user("its own writes were put aside")])
+            assert caught.value.kind == Tamper.FILE_ROLLED_BACK.value
         finally:
             other.close()
             early.close()
+        again = vault_pkg.open_session("s", vault_db, anchor_every=0)
+        try:
+            await again.add_items([user("on the accepted history: recorded")])
+            assert anchor_seq(vault) == file_seq(vault_db)
+        finally:
+            again.close()
 
     asyncio.run(go())
     assert run_cli("verify").code == 0

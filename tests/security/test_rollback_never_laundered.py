@@ -216,6 +216,73 @@ def test_a_restore_is_no_rollback_to_a_process_that_read_unrecorded_writes(
     assert run_cli("verify").code == 0
 
 
+def test_a_session_tells_a_copy_from_before_its_own_last_write(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A session's own committed write is a state it knows, as one it read: the file put
+    back to a copy from just before it, within the interval (the anchor never saw the
+    write), is told by the session's next read and write."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            await s.add_items([user("kept")])
+            before = copy_of(vault_db, tmp_path / "before.db")
+            await s.add_items([user("taken away")])
+            put_back(before, vault_db)
+            seq = file_seq(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == ROLLED_BACK
+            with pytest.raises(HistoryTampered):
+                await s.add_items([user("not written on the copy")])
+            assert file_seq(vault_db) == seq
+        finally:
+            s.close()
+
+    asyncio.run(go())
+
+
+def test_a_session_open_across_an_accept_tells_a_rollback_of_its_later_writes(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """What a session read after another process's `accept` is of the accepted history:
+    a copy from between two of its later writes, put back after it read the second,
+    is told, not passed because the anchor was lifted since the session read it."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+    older = copy_of(vault_db, tmp_path / "older.db")
+
+    async def go() -> int:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            await s.add_items([user("recorded")])  # the first write is recorded
+            put_back(older, vault_db)
+            assert run_cli("accept", "--yes").code == 0  # another process, on purpose
+            accepted = anchor_seq(vault)
+            assert len(await s.get_items()) == 1
+            await s.add_items([user("kept")])
+            between = copy_of(vault_db, tmp_path / "between.db")
+            await s.add_items([user("taken away")])
+            assert file_seq(vault_db) - anchor_seq(vault) == 2  # within the interval
+            assert len(await s.get_items()) == 3  # read: a state it has seen
+            put_back(between, vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == ROLLED_BACK
+            return accepted
+        finally:
+            s.close()
+
+    accepted = asyncio.run(go())
+    # Within the interval only the session knew; closing, it records nothing newer.
+    assert anchor_seq(vault) == accepted
+
+
 # How each row no MAC covers is changed under the open session, and put back as it was
 # in the copy: a mark added (then taken out), the vault id replaced, a required row deleted.
 _CHANGES = {

@@ -16,6 +16,7 @@ from vault import chainops
 from vault.chain import ChainKey, Head, Link
 from vault.chaincheck import Tamper, check, check_tail
 from vault.chainfloor import Floor
+from vault.chainvault import Point
 from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.chainrows import after_pop, append, read_head, session_rows
 from vault.engines.sqlite.schema import GUARD_MESSAGE, MESSAGES_TABLE, SESSIONS_TABLE
@@ -34,7 +35,7 @@ def insert_items(
     key: ChainKey,
     where: str,
     floor: Floor | None = None,
-) -> None:
+) -> Point | None:
     """The SDK's insert of a session's new items, each with its link, the head moved in
     the same transaction. `key` is the session's, unchecked (a write reads no meta): a
     head under another key id raises what the guard raises for an item under a stale
@@ -61,6 +62,14 @@ def insert_items(
         f"UPDATE {SESSIONS_TABLE} SET updated_at = CURRENT_TIMESTAMP WHERE session_id = ?",
         (session_id,),
     )
+    return vaulthead.point_of(conn)  # for `committed`, once the SDK has committed
+
+
+def committed(chain: SessionChain, point: Point | None) -> None:
+    """After the session's own insert committed: its floor passes the vault head it wrote,
+    a state it knows as well as one it read, so a copy from before it, put back, is told."""
+    if chain.floor is not None and point is not None:
+        chain.floor.passes(point)
 
 
 def _has_rows(conn: sqlite3.Connection, session_id: str) -> bool:

@@ -104,6 +104,7 @@ class VaultSQLiteSession(SQLiteSession):
         self._versions: dict[sqlite3.Connection, int] = {}
         self.deleted = False  # set by a pop that removed a row, for the scrub
         self.chain = chainsession.SessionChain()  # set by VaultSession
+        self._written: Any = None  # the vault head point of this session's last insert
         super().__init__(session_id, db_path, session_settings=session_settings)
 
     @staticmethod
@@ -162,13 +163,15 @@ class VaultSQLiteSession(SQLiteSession):
         token = _WRITING.set(True)
         try:
             await super().add_items(items)
+            chainsession.committed(self.chain, self._written)
         finally:
             _WRITING.reset(token)
 
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
         key, where = self.chain.key(), str(self._vault_path)
-        chainsession.insert_items(conn, self.session_id, texts, key, where, self.chain.floor)  # type: ignore[arg-type]
+        floor = self.chain.floor
+        self._written = chainsession.insert_items(conn, self.session_id, texts, key, where, floor)  # type: ignore[arg-type]
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         # The SDK's read, its rows judged with their head in the same snapshot first.

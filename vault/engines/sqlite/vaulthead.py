@@ -137,6 +137,12 @@ def stored_heads(conn: sqlite3.Connection) -> dict[str, str]:
     return {str(s): str(h) for s, h in conn.execute(f"SELECT session_id, head FROM {HEADS_TABLE}")}
 
 
+def point_of(conn: sqlite3.Connection) -> Point | None:
+    """The stored vault head's point, unchecked: for the writer that has just written it."""
+    vh = VaultHead.decode(_stored(conn))
+    return None if vh is None else vh.point()
+
+
 def _stored(conn: sqlite3.Connection) -> str | None:
     try:
         row = conn.execute(f"SELECT head FROM {VAULT_HEAD_TABLE} WHERE id = 1").fetchone()
