@@ -208,10 +208,12 @@ def verify(
 
 
 def _floor(vault: KeyLifecycle, sealer: crypto.Sealer) -> Floor | None:
-    from vault.engines.sqlite.anchoring import floor_for
+    from vault.engines.sqlite.anchoring import backup_away, floor_for
 
     try:
-        return floor_for(vault.meta(), sealer, vault.keystore, vault.path)
+        meta = vault.meta()
+        away = backup_away(meta, vault.path)
+        return floor_for(meta, sealer, vault.keystore, vault.path, away=away)
     except VaultError:
         return None  # the meta unreadable: reported by the checks that follow
 

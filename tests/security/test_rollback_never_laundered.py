@@ -246,6 +246,36 @@ def test_a_session_tells_a_copy_from_before_its_own_last_write(
     asyncio.run(go())
 
 
+def test_a_session_tells_a_copy_from_before_its_own_pop(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A session's own committed pop is a state it knows, as a write is: the file put
+    back to a copy from just before it (the popped item back in place), within the
+    interval, is told by the session's next read and write."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            await s.add_items([user("taken back")])
+            before = copy_of(vault_db, tmp_path / "before.db")
+            assert (await s.pop_item())["content"] == "taken back"
+            put_back(before, vault_db)
+            seq = file_seq(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == ROLLED_BACK
+            with pytest.raises(HistoryTampered):
+                await s.add_items([user("not written on the copy")])
+            assert file_seq(vault_db) == seq
+        finally:
+            s.close()
+
+    asyncio.run(go())
+
+
 def test_a_session_open_across_an_accept_tells_a_rollback_of_its_later_writes(
     vault: Vault, vault_db: Path, tmp_path: Path
 ) -> None:

@@ -63,12 +63,18 @@ def at_its_source(meta: dict[str, str], path: Path) -> bool:
         return False  # no file there (or a PostgreSQL vault's URL)
 
 
+def backup_away(meta: dict[str, str], path: Path) -> bool:
+    """Whether the file at `path` is a backup judged by its own seal: one not at its
+    live vault's place."""
+    return backupmark.is_backup(meta) and not at_its_source(meta, path)
+
+
 def floor_for(
-    meta: dict[str, str], sealer: crypto.Sealer, ks: KeyStore, path: Path
+    meta: dict[str, str], sealer: crypto.Sealer, ks: KeyStore, path: Path, *, away: bool
 ) -> Floor | None:
     """The floor of the file at `path` whose meta is `meta`: its own sealed point for a
-    backup, the anchor for a live vault (the keyring's, or a transit vault's key
-    service's), or for a backup copied back over it."""
+    backup `away` from its place (`backup_away`), the anchor for a live vault (the keyring's,
+    or a transit vault's key service's), or for a backup copied back over it."""
     from vault import chainanchor
     from vault.chainfloor import Floor
     from vault.engines.sqlite.vaulthead import store_source
@@ -76,7 +82,7 @@ def floor_for(
     # The source this process reads the file through: a file naming another one at its
     # judgment is not judged by this floor (vaulthead.refuse_other_source).
     through = store_source(ks)
-    if backupmark.is_backup(meta) and not at_its_source(meta, path):
+    if away:
         return backup_floor(meta, sealer, through)
     try:
         vid, named = meta["vault_id"], serves(ks, meta)
@@ -129,10 +135,9 @@ class Anchored:
         if not self._floor_read:
             sealer = self.sealer()
             meta = self.meta()
-            self._floor = floor_for(meta, sealer, self.keystore, self.path)
-            backup = backupmark.is_backup(meta)
-            away = backup and not at_its_source(meta, self.path)
-            self._judged = (meta["vault_id"], backup, away)
+            elsewhere = backup_away(meta, self.path)
+            self._floor = floor_for(meta, sealer, self.keystore, self.path, away=elsewhere)
+            self._judged = (meta["vault_id"], backupmark.is_backup(meta), elsewhere)
             self._floor_read = True
         return self._floor
 

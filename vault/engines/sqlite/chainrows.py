@@ -22,6 +22,7 @@ from vault.chainops import BUILDING, ON
 from vault.chainops import key_of as key_of  # for the engine's callers: one import
 from vault.chainops import keys_for as keys_for
 from vault.chainops import refuse as refuse
+from vault.chainvault import Point
 from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.schema import MESSAGES_TABLE
 from vault.engines.sqlite.vaulthead import HEADS_TABLE, chain_state, chained
@@ -44,27 +45,28 @@ def write_head(
     before: Head | None,
     after: Head,
     where: str,
-) -> None:
+) -> Point | None:
     """The session's head moved from `before` (None: it had none) to `after`, and the
-    vault head with it (vault.engines.sqlite.vaulthead)."""
+    vault head with it (vault.engines.sqlite.vaulthead), whose point this returns."""
     conn.execute(
         f"INSERT INTO {HEADS_TABLE} (session_id, head) VALUES (?, ?) "
         "ON CONFLICT(session_id) DO UPDATE SET head = excluded.head",
         (session_id, after.encode()),
     )
-    vaulthead.move(conn, key, session_id, before, after, where)
+    return vaulthead.move(conn, key, session_id, before, after, where)
 
 
 def append(
     conn: sqlite3.Connection, key: ChainKey, session_id: str, texts: Sequence[str], where: str
-) -> list[str]:
-    """The links of `texts`, appended to the session in this transaction; the head is
-    written here, the caller inserts each text with its link."""
+) -> tuple[list[str], Point | None]:
+    """The links of `texts`, appended to the session in this transaction, and the vault
+    head's point after them; the head is written here, the caller inserts each text
+    with its link."""
     stored = read_head(conn, session_id)
     head = chainops.head_to_move(key, session_id, stored, where)
     links, moved = chain.extend(key, session_id, head, texts)
-    write_head(conn, key, session_id, None if stored is None else head, moved, where)
-    return [lk.encode() for lk in links]
+    point = write_head(conn, key, session_id, None if stored is None else head, moved, where)
+    return [lk.encode() for lk in links], point
 
 
 def insert_rows(
@@ -80,7 +82,7 @@ def insert_rows(
     by_session: dict[str, list[str]] = {}
     for sid, text in rows:
         by_session.setdefault(sid, []).append(text)
-    links = {sid: iter(append(conn, key, sid, texts, "")) for sid, texts in by_session.items()}
+    links = {sid: iter(append(conn, key, sid, texts, "")[0]) for sid, texts in by_session.items()}
     stamps = (
         [created_at] * len(rows)
         if created_at is None or isinstance(created_at, str)
@@ -100,14 +102,15 @@ def after_pop(
     popped: Sequence[tuple[str, str | None]],
     where: str,
     link_keys: Mapping[str, ChainKey] | None = None,
-) -> None:
-    """Move the head back past the rows just popped: their (text, link), newest first."""
+) -> Point | None:
+    """Move the head back past the rows just popped: their (text, link), newest first.
+    The vault head's point after it (None: the file is not chained yet)."""
     stored = read_head(conn, session_id)
     if stored is None and not chained(conn):
-        return  # the upgrade has not linked this file yet
+        return None  # the upgrade has not linked this file yet
     head = chainops.head_to_move(key, session_id, stored, where)
     moved = chainops.pop_head(key, session_id, head, popped, where, link_keys)
-    write_head(conn, key, session_id, head, moved, where)
+    return write_head(conn, key, session_id, head, moved, where)
 
 
 def after_clear(

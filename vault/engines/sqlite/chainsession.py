@@ -53,7 +53,7 @@ def insert_items(
         raise chainops.tampered(session_id, "unauthenticated", where)
     if floor is not None:
         vaulthead.refuse_behind(conn, key, floor, session_id, where)
-    links = append(conn, key, session_id, texts, where)
+    links, point = append(conn, key, session_id, texts, where)
     conn.executemany(
         f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, chain) VALUES (?, ?, ?)",
         [(session_id, t, lk) for t, lk in zip(texts, links, strict=True)],
@@ -62,12 +62,13 @@ def insert_items(
         f"UPDATE {SESSIONS_TABLE} SET updated_at = CURRENT_TIMESTAMP WHERE session_id = ?",
         (session_id,),
     )
-    return vaulthead.point_of(conn)  # for `committed`, once the SDK has committed
+    return point  # for `committed`, once the SDK has committed
 
 
 def committed(chain: SessionChain, point: Point | None) -> None:
-    """After the session's own insert committed: its floor passes the vault head it wrote,
-    a state it knows as well as one it read, so a copy from before it, put back, is told."""
+    """After the session's own insert or pop committed: its floor passes the vault head
+    it wrote, a state it knows as well as one it read, so a copy from before it, put
+    back, is told."""
     if chain.floor is not None and point is not None:
         chain.floor.passes(point)
 
@@ -83,11 +84,12 @@ def pop_newest(
     validate: Callable[[Any], None] | None,
     chain: SessionChain,
     where: str,
-) -> Any:
+) -> tuple[Any, Point | None]:
     """The SDK's pop_item, in the caller's transaction: the newest row taken with its
     link, checked by `validate` (the SDK's: authenticates the envelope) and by the
     chain (the head's authentic last item), the head moved back; refused from a file
-    behind the chain's floor, as a write is (`insert_items`). None: no row.
+    behind the chain's floor, as a write is (`insert_items`). Returns the item (None:
+    no row) and the vault head's point after it (for `committed`, once committed).
     InvalidToken when the session's key is stale (the caller rolls back, reloads the
     key and retries)."""
     row = conn.execute(
@@ -96,7 +98,7 @@ def pop_newest(
         (session_id,),
     ).fetchone()
     if row is None:
-        return None
+        return None, None
     text, link = str(row[0]), row[1]
     try:
         item = json.loads(text)
@@ -110,8 +112,7 @@ def pop_newest(
         raise InvalidToken
     if chain.floor is not None:
         vaulthead.refuse_behind(conn, keys[kid], chain.floor, session_id, where)
-    after_pop(conn, keys[kid], session_id, [(text, link)], where, keys)
-    return item
+    return item, after_pop(conn, keys[kid], session_id, [(text, link)], where, keys)
 
 
 @dataclass(frozen=True)

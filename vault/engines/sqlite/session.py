@@ -82,10 +82,10 @@ if TYPE_CHECKING:
 # Stands for "never expires" where the SDK needs a number of seconds.
 NEVER = 1 << 62
 
-# Set while an `add_items` runs; the SDK's worker thread sees it (asyncio.to_thread copies
-# the context). A write needs no look at the meta first: the file's triggers refuse an
-# item under a stale key id, and `VaultSession.add_items` then reloads the key and retries.
-_WRITING: contextvars.ContextVar[bool] = contextvars.ContextVar("memvault_writing", default=False)
+# The vault head points an `add_items` wrote, set while it runs (asyncio.to_thread copies
+# it to the SDK's thread). A write reads no meta first: the file's triggers refuse an item
+# under a stale key id, and `VaultSession.add_items` reloads the key and retries.
+_WRITING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("memvault_writing")
 
 
 class VaultSQLiteSession(SQLiteSession):
@@ -104,7 +104,6 @@ class VaultSQLiteSession(SQLiteSession):
         self._versions: dict[sqlite3.Connection, int] = {}
         self.deleted = False  # set by a pop that removed a row, for the scrub
         self.chain = chainsession.SessionChain()  # set by VaultSession
-        self._written: Any = None  # the vault head point of this session's last insert
         super().__init__(session_id, db_path, session_settings=session_settings)
 
     @staticmethod
@@ -143,7 +142,7 @@ class VaultSQLiteSession(SQLiteSession):
                 self._connections.add(connection)
                 self._connection_owners[connection] = threading.current_thread()
         conn: sqlite3.Connection = self._local.connection
-        if not _WRITING.get():
+        if _WRITING.get(None) is None:
             # The version stays unseen until the next read, which then notices the change.
             self._notice_changes(conn)
         return conn
@@ -160,18 +159,19 @@ class VaultSQLiteSession(SQLiteSession):
             raise sdk_error(exc, self._vault_path) from exc
 
     async def add_items(self, items: list[Any]) -> None:
-        token = _WRITING.set(True)
+        written: list[Any] = []  # per call: two writes at once each pass their own point
+        token = _WRITING.set(written)
         try:
             await super().add_items(items)
-            chainsession.committed(self.chain, self._written)
+            chainsession.committed(self.chain, written[-1] if written else None)
         finally:
             _WRITING.reset(token)
 
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
-        key, where = self.chain.key(), str(self._vault_path)
-        floor = self.chain.floor
-        self._written = chainsession.insert_items(conn, self.session_id, texts, key, where, floor)  # type: ignore[arg-type]
+        key, where, floor = self.chain.key(), str(self._vault_path), self.chain.floor
+        point = chainsession.insert_items(conn, self.session_id, texts, key, where, floor)  # type: ignore[arg-type]
+        _WRITING.get([]).append(point)
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         # The SDK's read, its rows judged with their head in the same snapshot first.
@@ -191,10 +191,11 @@ class VaultSQLiteSession(SQLiteSession):
         # rolls back, and VaultSession.pop_item reloads it and retries.
         def pop() -> Any:
             with self._write_connection() as conn:
-                where = str(self._vault_path)
-                item = chainsession.pop_newest(conn, self.session_id, validate, self.chain, where)
+                sid, where = self.session_id, str(self._vault_path)
+                item, point = chainsession.pop_newest(conn, sid, validate, self.chain, where)
                 conn.commit()
-                return item
+            chainsession.committed(self.chain, point)
+            return item
 
         item = await asyncio.to_thread(pop)
         if item is not None:
@@ -270,7 +271,7 @@ class VaultSession(AnchorClock, CachedReads, EncryptedSession):
     def _chain_keys(self, file_kid: str) -> dict[str, Any] | None:
         """The chain keys for a file whose kid is `file_kid`, the key reloaded if stale
         (not while writing: a write is refused and retried, its items sealed again)."""
-        if file_kid != self._kid and not _WRITING.get():
+        if file_kid != self._kid and _WRITING.get(None) is None:
             self._refresh()
         if file_kid != self._kid:
             return None

@@ -137,12 +137,6 @@ def stored_heads(conn: sqlite3.Connection) -> dict[str, str]:
     return {str(s): str(h) for s, h in conn.execute(f"SELECT session_id, head FROM {HEADS_TABLE}")}
 
 
-def point_of(conn: sqlite3.Connection) -> Point | None:
-    """The stored vault head's point, unchecked: for the writer that has just written it."""
-    vh = VaultHead.decode(_stored(conn))
-    return None if vh is None else vh.point()
-
-
 def _stored(conn: sqlite3.Connection) -> str | None:
     try:
         row = conn.execute(f"SELECT head FROM {VAULT_HEAD_TABLE} WHERE id = 1").fetchone()
@@ -183,13 +177,14 @@ def move(
     before: Head | None,
     after: Head,
     where: str,
-) -> None:
-    """The vault head after one session's head went from `before` to `after`."""
+) -> Point | None:
+    """The vault head after one session's head went from `before` to `after`; its point
+    (None while the upgrade's build has written none)."""
     text = _stored(conn)
     if text is None:
         if chained(conn):
             raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where)
-        return  # the upgrade's build sums every head when it ends (`start`)
+        return None  # the upgrade's build sums every head when it ends (`start`)
     vh = VaultHead.decode(text)
     if vh is not None and vh.kid != key.kid and file_kid(conn) != key.kid:
         # A rotation moved the vault head with every session's: the session's key is
@@ -199,7 +194,9 @@ def move(
         if vh is None:
             raise ValueError("no vault head")
         source = _sealed_for(conn, vh)
-        _write(conn, chainvault.moved(key, vh, session_id, before, after, source))
+        moved = chainvault.moved(key, vh, session_id, before, after, source)
+        _write(conn, moved)
+        return moved.point()
     except ValueError:
         raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where) from None
 
