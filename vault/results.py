@@ -72,7 +72,9 @@ class KeyVersionInfo:
 class Accepted:
     """`Vault.accept_history`: the vault head summed afresh over this many sessions'
     heads, on purpose, past the anchor; `matched` says whether the stored one already
-    matched them and was not older than the anchor."""
+    matched them and was not older than the anchor; `anchored`, whether the anchor
+    outside the file took the new state (False: the keyring or key service failed)."""
 
     sessions: int
     matched: bool
+    anchored: bool = True

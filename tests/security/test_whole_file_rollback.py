@@ -105,6 +105,7 @@ def test_a_file_put_back_whole_is_reported_and_refused_until_accepted(
 
     r = run_cli("--json", "accept", "--yes")
     assert r.code == 0 and r.json()["matched"] is False, r
+    assert r.json()["anchored"] is True and r.err == "", r
     assert run_cli("verify").code == 0
     assert read_in_a_new_process(vault_db) == {"items": 3}
     assert anchor_seq(vault) == file_seq(vault_db)
@@ -280,8 +281,8 @@ def test_a_backup_is_judged_by_its_own_state_and_restore_moves_the_anchor(
         f"the vault as a whole: {ROLLED_BACK} (it is not the state this backup was made in)"
     ], r
 
-    r = run_cli("restore", str(backup), "--yes")
-    assert r.code == 0, r
+    r = run_cli("--json", "restore", str(backup), "--yes")
+    assert r.code == 0 and r.json()["anchored"] is True and r.err == "", r
     assert anchor_seq(vault) > before_restore  # moved to the restored state, past the old one
     assert anchor_seq(vault) == file_seq(vault_db)
     assert run_cli("verify").code == 0

@@ -168,6 +168,14 @@ def verify_cmd() -> None:
         raise OperationFailed(f"verify found problems in {report.path}: {found}; see {where}")
 
 
+# After `accept` or `restore`, when the record of the new state did not reach the anchor.
+ANCHOR_NOT_MOVED = (
+    "warning: {done}, but the anchor outside it (in the keyring or the key service) could "
+    "not be moved, so the vault may still be reported as rolled back; run `memvault accept "
+    "--yes` once the keyring answers"
+)
+
+
 @click.command("restore")
 @click.argument("backup", metavar="BACKUP", type=PATH)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
@@ -242,6 +250,8 @@ def restore_cmd(backup: str, yes: bool) -> None:
             )
 
     emit(r, human)
+    if not r.get("anchored", True):
+        say(ANCHOR_NOT_MOVED.format(done="the backup is restored"), err=True)
 
 
 @click.command("accept")
@@ -262,6 +272,8 @@ def accept_cmd(yes: bool) -> None:
     state, which moves to it, and they are served again. A session whose own
     head is forged is refused first: `clear SESSION --include-unreadable`
     deletes it on purpose. Backups are refused: each is judged as it was made.
+    When the keyring (or key service) fails to take the new state, a warning
+    says so: run accept again once it answers.
 
     \b
     Exit codes:
@@ -291,7 +303,10 @@ def accept_cmd(yes: bool) -> None:
             + ("" if not r.matched else " (it was that state already)")
         )
 
-    emit({"path": str(vault.path), "sessions": r.sessions, "matched": r.matched}, human)
+    data = {"path": str(vault.path), "sessions": r.sessions, "matched": r.matched}
+    emit({**data, "anchored": r.anchored}, human)
+    if not r.anchored:
+        say(ANCHOR_NOT_MOVED.format(done="the state is accepted in the file"), err=True)
 
 
 COMMANDS = (

@@ -59,5 +59,5 @@ def accept_history(vault: _File) -> Accepted:
         # process found forked from the recorded history, did not match either.
         matched = matched and not (floor is not None and (floor.left or floor.forked))
         audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
-    vault.record_anchor(lifted=True)
-    return Accepted(n, matched)
+    held = vault.record_anchor(lifted=True)  # None: the anchor's store failed
+    return Accepted(n, matched, anchored=held is not None)

@@ -349,20 +349,23 @@ def replaced_source(live: Anchored) -> KeyStore | None:
         return None
 
 
-def anchor_restored(restored: Anchored, unchained: bool, left: KeyStore | None) -> None:
+def anchor_restored(restored: Anchored, unchained: bool, left: KeyStore | None) -> bool:
     """After `restore`: the anchor moved to the restored state, which `lift` put past it,
     or, for a copy from before the chain, forgotten on purpose (the next open links its
     rows as restored). A replaced file that named another transit key leaves it, as a
-    `key move` would (chainanchor.leave): a copy of it put back is from before."""
+    `key move` would (chainanchor.leave): a copy of it put back is from before. False
+    when the record did not reach the anchor (its keyring or key service failed)."""
     from vault import chainanchor
 
     meta = restored.meta()
+    anchored = True
     if unchained:
         chainanchor.forget(anchor_store(restored.keystore), meta["vault_id"])
     else:
         with contextlib.suppress(VaultError):
             restored.sealer()
-        restored.record_anchor(lifted=True)
+        anchored = restored.record_anchor(lifted=True) is not None
     if marked_left(left, meta):  # as keymove._leave
         with contextlib.suppress(VaultError):  # out of reach: that source's window stays
             chainanchor.leave(anchor_store(left), meta["vault_id"])
+    return anchored

@@ -246,8 +246,8 @@ def restore(plan: RestorePlan) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 finish_locked(live)  # back to the vault as it was, or finished if committed
             raise
-    anchor_restored(Vault(live), plan.unchained, left)
-    return {**plan.as_dict(), "restored": True}
+    anchored = anchor_restored(Vault(live), plan.unchained, left)
+    return {**plan.as_dict(), "restored": True, "anchored": anchored}
 
 
 def _restore_locked(plan: RestorePlan, live: Path, src: Path, new: Path, head: Head | None) -> None:
