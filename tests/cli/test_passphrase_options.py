@@ -212,6 +212,7 @@ def test_passphrase_stdin_refuses_a_terminal(vault: Any, tmp_path: Path) -> None
 # --------------------------------------------------------------------------
 # What a passphrase file may hold
 # --------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     ("content", "needle"),
     [

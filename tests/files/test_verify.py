@@ -104,6 +104,7 @@ def test_tampered_items_are_counted_across_batches(vault: Vault, vault_db: Path)
 GUARD_SQL = "SELECT sql FROM sqlite_master WHERE name = 'memvault_guard_update'"
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     ("damage", "detail"),
     [

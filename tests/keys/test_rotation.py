@@ -490,6 +490,7 @@ def test_scrub_after_purge_leaves_no_deleted_token(
     assert Vault.open(vault_db).items("mixed", now=now)[0] == [{"fresh": i} for i in range(5)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("how", ["library", "cli", "session"])
 def test_scrub_after_clear_leaves_no_deleted_token(vault: Vault, vault_db: Path, how: str) -> None:
     expected = populate_with_a_big_item(vault_db)

@@ -27,7 +27,7 @@ import pytest
 import vault
 from tests.conftest import ROOT
 
-FAST = "not slow and not crash and not postgres and not openbao and not later_case"
+FAST = "not slow and not crash and not postgres and not openbao and not later_case and not deep"
 
 
 def runs_the_whole_fast_tier(config: pytest.Config) -> bool:

@@ -154,6 +154,7 @@ def test_an_untouched_vault_verifies_shows_and_reads(two_sessions: Vault, vault_
     assert read_in_a_new_process(vault_db) == {"items": 5}
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_each_tampering_is_named_by_verify_and_refused_by_show_and_export(
     two_sessions: Vault, vault_db: Path, tmp_path: Path, kind: str
@@ -190,6 +191,7 @@ def test_each_tampering_is_named_by_verify_and_refused_by_show_and_export(
     assert run_cli("show", "t").code == 0
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_each_tampering_raises_history_tampered_in_a_new_agent_process(
     two_sessions: Vault, vault_db: Path, kind: str

@@ -36,7 +36,9 @@ from vault.chaincheck import Tamper
 ROLLED_BACK = Tamper.FILE_ROLLED_BACK.value
 OLDER = "older than the state memvault recorded"
 
-pytestmark = pytest.mark.secret_service
+# Each a regression found by review: the fast tier keeps the mechanisms' own tests
+# (test_whole_file_rollback.py, test_forked_history.py); --all runs these too.
+pytestmark = [pytest.mark.secret_service, pytest.mark.deep]
 
 
 def _refused(r: object, db: Path, seq: int) -> None:
@@ -331,6 +333,7 @@ def _rows(db: Path) -> dict[str, str]:
     return rows
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("change", sorted(_CHANGES))
 def test_meta_rows_changed_under_an_open_session_do_not_stop_its_records(
     vault: Vault, vault_db: Path, tmp_path: Path, change: str

@@ -103,6 +103,7 @@ def _vault_line(details: list[str]) -> list[str]:
     return [d for d in details if d.startswith("the vault as a whole")]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_session_changed_whole_is_the_vaults_problem_until_accepted(
     two_sessions: Vault, vault_db: Path, tmp_path: Path, kind: str
@@ -207,6 +208,7 @@ def test_a_forged_head_kept_through_a_rotation_is_cleared_then_accepted(
     assert run_cli("show", "s").code == 0
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "unmark",
     [

@@ -226,6 +226,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("every", [0.0, 3600.0])
 def test_the_window_a_killed_session_leaves_is_its_interval(
     vault: Vault, vault_db: Path, tmp_path: Path, every: float

@@ -202,6 +202,7 @@ def test_the_sessions_own_pop_and_clear_are_seen_and_drop_what_was_kept(
     s.close()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "change",
     ["write", "pop", "pop then write", "clear", "rotate", "purge", "import"],
