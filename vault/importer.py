@@ -381,7 +381,7 @@ class Importer:
             key = chainops.key_of(sealer, vault.vault_id)
             while batch := rows.fetchmany(BATCH):
                 sealed = self._seal_batch(sid, batch, sealer, source_digest)
-                links = chainrows.append(conn, key, sid, [s[1] for s in sealed], str(vault.path))
+                links, _ = chainrows.append(conn, key, sid, [s[1] for s in sealed], str(vault.path))
                 conn.executemany(  # each row with its chain link, the head moved with them
                     f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at, chain) "
                     "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP), ?)",
