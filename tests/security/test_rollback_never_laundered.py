@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -497,3 +498,56 @@ def test_a_session_open_across_a_revoke_writes_no_anchor_again(
 
     asyncio.run(go())
     assert chainanchor.read(KeyStore(), vault.vault_id) is None
+
+
+def test_a_session_tells_a_copy_from_before_its_own_clear(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A session's own `clear_session` is a state it knows, as a write is: the file put
+    back to a copy from just before it (the cleared items back), within the interval,
+    is told by the session's next read and write."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            await s.add_items([user("cleared")])  # its first write: recorded
+            before = copy_of(vault_db, tmp_path / "before.db")
+            await s.clear_session()
+            put_back(before, vault_db)
+            seq = file_seq(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == ROLLED_BACK
+            with pytest.raises(HistoryTampered):
+                await s.add_items([user("not written on the copy")])
+            assert file_seq(vault_db) == seq
+        finally:
+            s.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("change", ["pop", "clear", "purge"])
+def test_a_vault_object_tells_a_copy_from_before_its_own_pop_clear_or_purge(
+    vault: Vault, vault_db: Path, tmp_path: Path, change: str
+) -> None:
+    """The library's `Vault.pop`, `clear` and `purge` are states the object knows, as its
+    reads are: a copy from just before one, put back while the object is open (no
+    record reached the anchor), is told by its next read."""
+    add_items(vault_db, "s", [user("first"), user("second")])
+    v = Vault.open(vault_db)
+    assert len(v.items("s")[0]) == 2  # read: the floor is at this state
+    before = copy_of(vault_db, tmp_path / "before.db")
+    if change == "pop":
+        v.pop("s")
+    elif change == "clear":
+        v.clear("s")
+    else:
+        assert v.purge(now=int(time.time()) + 7200).counts["deleted"] == 2  # past the TTL
+    put_back(before, vault_db)
+    with pytest.raises(HistoryTampered) as caught:
+        v.items("s")
+    assert caught.value.kind == ROLLED_BACK

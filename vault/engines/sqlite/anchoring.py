@@ -141,6 +141,13 @@ class Anchored:
             self._floor_read = True
         return self._floor
 
+    def wrote(self, point: Point | None) -> None:
+        """After this object's own write committed (`pop`, `clear`): its floor, once read,
+        passes the vault head it wrote, a state it knows as well as one it read, so a
+        copy from before it, put back, is told (an agent session shares this floor)."""
+        if point is not None and self._floor is not None:
+            self._floor.passes(point)
+
     def record_anchor(self, into: KeyStore | None = None, *, lifted: bool = False) -> Point | None:
         """Advance the anchor to the file's vault head, when this object has opened the
         key and the vault head authenticates under it; returns what the anchor holds

@@ -115,13 +115,14 @@ def after_pop(
 
 def after_clear(
     conn: sqlite3.Connection, key: ChainKey, session_id: str, where: str, forced: bool = False
-) -> None:
+) -> Point | None:
     """A new epoch: the head is kept (so an item put back after the clear is told apart).
     `forced` (clear --include-unreadable, the way to delete tampered history on purpose)
-    starts the epoch after the stored head's even when that head does not authenticate."""
+    starts the epoch after the stored head's even when that head does not authenticate.
+    The vault head's point after it (None: not moved)."""
     stored = read_head(conn, session_id)
     if stored is None:
-        return  # never chained: nothing to remember
+        return None  # never chained: nothing to remember
     old = Head.decode(stored)
     try:
         head = chainops.head_to_move(key, session_id, stored, where)
@@ -132,12 +133,13 @@ def after_clear(
         if old is not None:
             head = dataclasses.replace(head, epoch=old.epoch, base=old.end, end=old.end)
     try:
-        write_head(conn, key, session_id, old, chain.clear(key, session_id, head), where)
+        return write_head(conn, key, session_id, old, chain.clear(key, session_id, head), where)
     except HistoryTampered:
         if not forced:
             raise
         # The vault head does not authenticate (a rotation keeps one that did not match):
         # it stays as it is, the session's new head written, for `memvault accept`.
+        return None
 
 
 def session_rows(
@@ -347,7 +349,10 @@ class PurgedPrefix:
             out.append((row_id,))
         return out
 
-    def move_heads(self, conn: sqlite3.Connection) -> None:
+    def move_heads(self, conn: sqlite3.Connection) -> Point | None:
+        """Each purged session's head moved; the vault head's point after them."""
+        at = None
         for sid, head in self.heads.items():
             if head is not None and head != self.before[sid]:
-                write_head(conn, self.key, sid, self.before[sid], head, self.where)
+                at = write_head(conn, self.key, sid, self.before[sid], head, self.where) or at
+        return at

@@ -279,8 +279,9 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
             conn.executemany(f"DELETE FROM {MESSAGES_TABLE} WHERE id = ?", [(r[0],) for r in gone])
             keys = chainrows.keys_for(sealer, self.vault_id)  # each row's link: its own kid's
             rows = [(str(r[1]), r[2]) for r in gone]
-            chainrows.after_pop(conn, keys[sealer.kid], session_id, rows, str(self.path), keys)
+            at = chainrows.after_pop(conn, keys[sealer.kid], session_id, rows, str(self.path), keys)
             set_meta(conn, scrub_pending="1")
+        self.wrote(at)
         return Popped(popped, self.scrub())
 
     def clear(self, session_id: str, include_unreadable: bool = False) -> Cleared:
@@ -310,9 +311,10 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
             ).rowcount
             conn.execute(f"DELETE FROM {SESSIONS_TABLE} WHERE session_id = ?", (session_id,))
             key = chainrows.key_of(sealer, self.vault_id)
-            chainrows.after_clear(conn, key, session_id, str(self.path), include_unreadable)
+            at = chainrows.after_clear(conn, key, session_id, str(self.path), include_unreadable)
             set_meta(conn, scrub_pending="1")
             audit(conn, "clear", sealer.kid, items=n, unreadable=unreadable)
+        self.wrote(at)
         return Cleared(n, unreadable, self.scrub())
 
     def accept_history(self) -> Accepted:
@@ -357,11 +359,12 @@ class Vault(KeyLifecycle, ImportsFiles, ReadsItems):
                 deleted += len(doomed)
                 if progress:
                     progress(len(batch))
-            prefix.move_heads(conn)
+            at = prefix.move_heads(conn)
             testhooks.failpoint("purge-in-transaction")
             if deleted:
                 set_meta(conn, scrub_pending="1")
             audit(conn, "purge", sealer.kid, deleted=deleted, kept=kept, unreadable=unreadable)
+        self.wrote(at)
         scrubbed = self.scrub() if deleted else True
         notes = {"tampered": ", ".join(sorted(prefix.tampered))} if prefix.tampered else {}
         return Report({"deleted": deleted, "kept": kept, "unreadable": unreadable}, scrubbed, notes)
