@@ -367,10 +367,7 @@ class Importer:
         count = 0
         with vault.write_transaction() as conn:
             sealer = vault.check_writable(conn, sealer, sid)
-            if conn.execute(
-                session_exists_sql("?"),
-                (sid, sid),
-            ).fetchone():
+            if conn.execute(session_exists_sql("?"), (sid, sid)).fetchone():
                 raise self._appeared(sid, part)
             conn.execute(
                 f"INSERT INTO {SESSIONS_TABLE} (session_id, created_at, updated_at) "
@@ -378,10 +375,11 @@ class Importer:
                 (sid, s.created_at, s.updated_at),
             )
             rows = self._source_rows(s)
-            key = chainops.key_of(sealer, vault.vault_id)
+            key, at = chainops.key_of(sealer, vault.vault_id), None
             while batch := rows.fetchmany(BATCH):
                 sealed = self._seal_batch(sid, batch, sealer, source_digest)
-                links, _ = chainrows.append(conn, key, sid, [s[1] for s in sealed], str(vault.path))
+                texts = [s[1] for s in sealed]
+                links, at = chainrows.append(conn, key, sid, texts, str(vault.path))
                 conn.executemany(  # each row with its chain link, the head moved with them
                     f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at, chain) "
                     "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP), ?)",
@@ -397,4 +395,5 @@ class Importer:
                     break
             check.done(s, count, source_digest, part)
             audit(conn, "import", sealer.kid, **self._audited(sid, count, part, parts))
+        vault.wrote(at)  # a state this object knows, as one it read
         return count

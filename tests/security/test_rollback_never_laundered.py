@@ -530,14 +530,16 @@ def test_a_session_tells_a_copy_from_before_its_own_clear(
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("change", ["pop", "clear", "purge"])
-def test_a_vault_object_tells_a_copy_from_before_its_own_pop_clear_or_purge(
+@pytest.mark.parametrize("change", ["pop", "clear", "purge", "import"])
+def test_a_vault_object_tells_a_copy_from_before_its_own_pop_clear_purge_or_import(
     vault: Vault, vault_db: Path, tmp_path: Path, change: str
 ) -> None:
-    """The library's `Vault.pop`, `clear` and `purge` are states the object knows, as its
-    reads are: a copy from just before one, put back while the object is open (no
+    """The library's `Vault.pop`, `clear`, `purge` and import are states the object
+    knows, as its reads are: a copy from just before one, put back while the object is open (no
     record reached the anchor), is told by its next read."""
     add_items(vault_db, "s", [user("first"), user("second")])
+    src = tmp_path / "carnet.db"
+    make_plain(src, {"u": [user("imported")]})
     v = Vault.open(vault_db)
     assert len(v.items("s")[0]) == 2  # read: the floor is at this state
     before = copy_of(vault_db, tmp_path / "before.db")
@@ -545,8 +547,10 @@ def test_a_vault_object_tells_a_copy_from_before_its_own_pop_clear_or_purge(
         v.pop("s")
     elif change == "clear":
         v.clear("s")
-    else:
+    elif change == "purge":
         assert v.purge(now=int(time.time()) + 7200).counts["deleted"] == 2  # past the TTL
+    else:
+        v.importer(str(src), session_id="u").run()
     put_back(before, vault_db)
     with pytest.raises(HistoryTampered) as caught:
         v.items("s")
