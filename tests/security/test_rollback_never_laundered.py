@@ -530,13 +530,13 @@ def test_a_session_tells_a_copy_from_before_its_own_clear(
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("change", ["pop", "clear", "purge", "import"])
-def test_a_vault_object_tells_a_copy_from_before_its_own_pop_clear_purge_or_import(
+@pytest.mark.parametrize("change", ["pop", "clear", "purge", "import", "rotate"])
+def test_a_vault_object_tells_a_copy_from_before_its_own_writes(
     vault: Vault, vault_db: Path, tmp_path: Path, change: str
 ) -> None:
-    """The library's `Vault.pop`, `clear`, `purge` and import are states the object
-    knows, as its reads are: a copy from just before one, put back while the object is open (no
-    record reached the anchor), is told by its next read."""
+    """The library's `Vault.pop`, `clear`, `purge`, import and `rotate` are states the
+    object knows, as its reads are: a copy from just before one, put back while the
+    object is open (no record reached the anchor), is told by its next read."""
     add_items(vault_db, "s", [user("first"), user("second")])
     src = tmp_path / "carnet.db"
     make_plain(src, {"u": [user("imported")]})
@@ -549,8 +549,12 @@ def test_a_vault_object_tells_a_copy_from_before_its_own_pop_clear_purge_or_impo
         v.clear("s")
     elif change == "purge":
         assert v.purge(now=int(time.time()) + 7200).counts["deleted"] == 2  # past the TTL
-    else:
+    elif change == "import":
         v.importer(str(src), session_id="u").run()
+    else:
+        v.backup(tmp_path / "kept.db")  # keeps the old key: the copy stays readable
+        before = copy_of(vault_db, tmp_path / "before.db")
+        v.rotate()
     put_back(before, vault_db)
     with pytest.raises(HistoryTampered) as caught:
         v.items("s")

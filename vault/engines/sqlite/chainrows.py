@@ -222,15 +222,16 @@ def remac_updates(
     return out
 
 
-def remac_heads(conn: sqlite3.Connection, old: ChainKey, new: ChainKey) -> None:
+def remac_heads(conn: sqlite3.Connection, old: ChainKey, new: ChainKey) -> Point | None:
     """Every head under `old` re-MACed under `new`, and the vault head summed afresh
-    under it (the rotation's switch)."""
+    under it (the rotation's switch); its point (None: one that did not match, kept)."""
     heads = vaulthead.stored_heads(conn)
-    vaulthead.rekey(conn, old, new, heads)
+    at = vaulthead.rekey(conn, old, new, heads)
     conn.executemany(
         f"UPDATE {HEADS_TABLE} SET head = ? WHERE session_id = ?",
         chainops.remac_all(old, new, heads),
     )
+    return at
 
 
 class _File(Protocol):

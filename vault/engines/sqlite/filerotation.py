@@ -37,6 +37,7 @@ from vault.keysource.store import prewrap, refuse_moved
 
 if TYPE_CHECKING:
     from vault.chain import ChainKey
+    from vault.chainvault import Point
     from vault.keys import KeyStore
 
 
@@ -69,6 +70,8 @@ class KeyLifecycle(Protocol):
     def refuse_behind(
         self, conn: sqlite3.Connection, sealer: crypto.Sealer, session_id: str = ""
     ) -> None: ...
+
+    def wrote(self, point: Point | None) -> None: ...
 
 
 FROM, PROGRESS, OWNER = ROTATING_FROM, "rotation_progress", "rotation_owner"
@@ -220,11 +223,12 @@ def _switch(lc: KeyLifecycle, old: crypto.Sealer, new: crypto.Sealer) -> bool:
             from vault import chainops
             from vault.engines.sqlite import chainrows
 
-            chainrows.remac_heads(
+            at = chainrows.remac_heads(
                 conn, chainops.key_of(old, vault_id), chainops.key_of(new, vault_id)
             )
             committed = True  # from here the outcome of a failure is unknown
             conn.execute("COMMIT")
+            lc.wrote(at)  # a state this object knows, as one it read
         finally:
             if stored and not committed:
                 # Still holding the lock and nothing committed: no row uses the new key,

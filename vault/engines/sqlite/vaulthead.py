@@ -209,14 +209,19 @@ def start(conn: sqlite3.Connection, key: ChainKey) -> None:
     set_meta(conn, **{CHAIN_META: ON})
 
 
-def rekey(conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping[str, str]) -> None:
+def rekey(
+    conn: sqlite3.Connection, old: ChainKey, new: ChainKey, heads: Mapping[str, str]
+) -> Point | None:
     """At a rotation's switch: the vault head summed afresh under the new key, checked
     first under the old one against `heads` as they were before the switch re-MACed
-    them. One that does not match is kept as it is: still reported, never laundered."""
+    them. One that does not match is kept as it is: still reported, never laundered.
+    The new one's point (None: kept)."""
     vh = VaultHead.decode(_stored(conn))
     moved = None if vh is None else chainvault.rekey(old, new, vh, _decoded(heads), _bound(conn))
-    if moved is not None:
-        _write(conn, moved)
+    if moved is None:
+        return None
+    _write(conn, moved)
+    return moved.point()
 
 
 def unbound(conn: sqlite3.Connection) -> bool:
