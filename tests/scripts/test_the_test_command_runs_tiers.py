@@ -1,7 +1,7 @@
 """`scripts/test` runs the fast tier; `scripts/test --all` runs every test, each once.
 
-The tiers are pytest's marks: the fast tier leaves out `slow`, `crash`, `postgres`,
-`openbao` and a sweep's `later_case`s;
+The tiers are pytest's marks: the fast tier leaves out `slow`, `crash`, `deep`,
+`postgres`, `openbao` and a sweep's `later_case`s;
 --all runs the rest in parallel and then the slow tests and kill campaigns one at a
 time. Checked with --collect-only against pytest's own collection of the same marks.
 """

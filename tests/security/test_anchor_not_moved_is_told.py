@@ -53,7 +53,8 @@ def test_an_accept_whose_anchor_is_not_moved_says_so(
     assert code == 0 and "accepted 1 session" in out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: the state is accepted"), err
-    assert "could not be moved" in lines[0] and "memvault accept --yes" in lines[0]
+    assert "could not be moved" in lines[0]
+    assert f"memvault --db {vault_db} accept --yes" in lines[0]
     assert anchor_seq(vault) == recorded  # the anchor was not moved
 
     # The keyring answers again: the advice given works.
@@ -78,6 +79,7 @@ def test_a_restore_whose_anchor_is_not_moved_says_so(
     assert code == 0 and '"anchored": false' in out, out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: the backup is restored"), err
+    assert f"memvault --db {vault_db} accept --yes" in lines[0]
     assert anchor_seq(vault) == recorded
 
     r = run_cli("--json", "accept", "--yes")

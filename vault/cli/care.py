@@ -170,9 +170,9 @@ def verify_cmd() -> None:
 
 # After `accept` or `restore`, when the record of the new state did not reach the anchor.
 ANCHOR_NOT_MOVED = (
-    "warning: {done}, but the anchor outside it (in the keyring or the key service) could "
-    "not be moved, so the vault may still be reported as rolled back; run `memvault accept "
-    "--yes` once the keyring answers"
+    "warning: {done}, but the record of its state outside the file (in the keyring, or the "
+    "key service) could not be moved, so the vault may still be reported as rolled back; "
+    "run `memvault --db {path} accept --yes` once the keyring or key service answers"
 )
 
 
@@ -251,7 +251,7 @@ def restore_cmd(backup: str, yes: bool) -> None:
 
     emit(r, human)
     if not r.get("anchored", True):
-        say(ANCHOR_NOT_MOVED.format(done="the backup is restored"), err=True)
+        say(ANCHOR_NOT_MOVED.format(done="the backup is restored", path=r["path"]), err=True)
 
 
 @click.command("accept")
@@ -306,7 +306,8 @@ def accept_cmd(yes: bool) -> None:
     data = {"path": str(vault.path), "sessions": r.sessions, "matched": r.matched}
     emit({**data, "anchored": r.anchored}, human)
     if not r.anchored:
-        say(ANCHOR_NOT_MOVED.format(done="the state is accepted in the file"), err=True)
+        done = "the state is accepted in the file"
+        say(ANCHOR_NOT_MOVED.format(done=done, path=vault.path), err=True)
 
 
 COMMANDS = (

@@ -1,0 +1,145 @@
+"""A process's own writes are states it knows, as its reads are: the file put back to a
+copy from just before one, within the anchor's interval (no record reached the anchor),
+is told by its next read, and its next write is refused. An open agent session's
+`add_items`, `pop_item` and `clear_session`; a library `Vault` object's `pop`, `clear`,
+`purge`, import and `rotate`. Real file, real keyring, the real SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import add_items, user
+from tests.files.test_import import make_plain
+from tests.security.test_whole_file_rollback import copy_of, file_seq, put_back
+from vault import HistoryTampered, Vault
+from vault.chaincheck import Tamper
+
+ROLLED_BACK = Tamper.FILE_ROLLED_BACK.value
+
+pytestmark = pytest.mark.secret_service
+
+
+def test_a_session_tells_a_copy_from_before_its_own_last_write(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A session's own committed write is a state it knows, as one it read: the file put
+    back to a copy from just before it, within the interval (the anchor never saw the
+    write), is told by the session's next read and write."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            await s.add_items([user("kept")])
+            before = copy_of(vault_db, tmp_path / "before.db")
+            await s.add_items([user("taken away")])
+            put_back(before, vault_db)
+            seq = file_seq(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == ROLLED_BACK
+            with pytest.raises(HistoryTampered):
+                await s.add_items([user("not written on the copy")])
+            assert file_seq(vault_db) == seq
+        finally:
+            s.close()
+
+    asyncio.run(go())
+
+
+def test_a_session_tells_a_copy_from_before_its_own_pop(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A session's own committed pop is a state it knows, as a write is: the file put
+    back to a copy from just before it (the popped item back in place), within the
+    interval, is told by the session's next read and write."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            await s.add_items([user("taken back")])
+            before = copy_of(vault_db, tmp_path / "before.db")
+            assert (await s.pop_item())["content"] == "taken back"
+            put_back(before, vault_db)
+            seq = file_seq(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == ROLLED_BACK
+            with pytest.raises(HistoryTampered):
+                await s.add_items([user("not written on the copy")])
+            assert file_seq(vault_db) == seq
+        finally:
+            s.close()
+
+    asyncio.run(go())
+
+
+def test_a_session_tells_a_copy_from_before_its_own_clear(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A session's own `clear_session` is a state it knows, as a write is: the file put
+    back to a copy from just before it (the cleared items back), within the interval,
+    is told by the session's next read and write."""
+    import vault as vault_pkg
+
+    add_items(vault_db, "s", [user("first")])
+
+    async def go() -> None:
+        s = vault_pkg.open_session("s", vault_db, anchor_every=3600)
+        try:
+            await s.add_items([user("cleared")])  # its first write: recorded
+            before = copy_of(vault_db, tmp_path / "before.db")
+            await s.clear_session()
+            put_back(before, vault_db)
+            seq = file_seq(vault_db)
+            with pytest.raises(HistoryTampered) as caught:
+                await s.get_items()
+            assert caught.value.kind == ROLLED_BACK
+            with pytest.raises(HistoryTampered):
+                await s.add_items([user("not written on the copy")])
+            assert file_seq(vault_db) == seq
+        finally:
+            s.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("change", ["pop", "clear", "purge", "import", "rotate"])
+def test_a_vault_object_tells_a_copy_from_before_its_own_writes(
+    vault: Vault, vault_db: Path, tmp_path: Path, change: str
+) -> None:
+    """The library's `Vault.pop`, `clear`, `purge`, import and `rotate` are states the
+    object knows, as its reads are: a copy from just before one, put back while the
+    object is open (no record reached the anchor), is told by its next read."""
+    add_items(vault_db, "s", [user("first"), user("second")])
+    src = tmp_path / "carnet.db"
+    make_plain(src, {"u": [user("imported")]})
+    v = Vault.open(vault_db)
+    assert len(v.items("s")[0]) == 2  # read: the floor is at this state
+    before = copy_of(vault_db, tmp_path / "before.db")
+    if change == "pop":
+        v.pop("s")
+    elif change == "clear":
+        v.clear("s")
+    elif change == "purge":
+        assert v.purge(now=int(time.time()) + 7200).counts["deleted"] == 2  # past the TTL
+    elif change == "import":
+        v.importer(str(src), session_id="u").run()
+    else:
+        v.backup(tmp_path / "kept.db")  # keeps the old key: the copy stays readable
+        before = copy_of(vault_db, tmp_path / "before.db")
+        v.rotate()
+    put_back(before, vault_db)
+    with pytest.raises(HistoryTampered) as caught:
+        v.items("s")
+    assert caught.value.kind == ROLLED_BACK
