@@ -142,9 +142,10 @@ class Anchored:
         return self._floor
 
     def wrote(self, point: Point | None) -> None:
-        """After this object's own write committed (`pop`, `clear`): its floor, once read,
-        passes the vault head it wrote, a state it knows as well as one it read, so a
-        copy from before it, put back, is told (an agent session shares this floor)."""
+        """After this object's own write committed (pop, clear, purge, import, rotate): its
+        floor, once read, passes the vault head it wrote, a state it knows as well as one
+        it read, so a copy from before it, put back, is told (an agent session shares
+        this floor)."""
         if point is not None and self._floor is not None:
             self._floor.passes(point)
 
