@@ -141,6 +141,7 @@ def advance(
     lifted: bool = False,
     held: bool | Callable[[], bool] = False,
     seen: Floor | None = None,
+    current: Callable[[], Point | None] | None = None,
 ) -> Point | None:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
@@ -154,6 +155,10 @@ def advance(
     recording process's floor; an anchor at a `seq` where it saw the file hold another
     point is marked forked, so is `seen`, and `Forked` raised: the file went on from an older state
     than the one recorded, which a `seq` past the anchor's would otherwise launder.
+    `current`: the point the file holds now, asked inside the turn only when the anchor
+    was lifted since `seen` last met it: a point read before that lift, of a history an
+    `accept` or `restore` put aside, is not written over it (every process would then
+    report the file taken on purpose as rolled back); one the file still holds is.
     A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
     The key service's set is check-and-set, read again on a race with another host."""
     with _this_hosts_turn():
@@ -164,6 +169,13 @@ def advance(
                 if held:
                     return None
                 after = Entry(point, lifts=int(lifted))
+            elif (
+                not lifted
+                and seen is not None
+                and seen.missed(entry)
+                and not (current is not None and current() == point)
+            ):
+                return entry.point  # read before a lift: what the file held may be put aside
             elif not lifted and seen is not None and seen.contradicts(entry):
                 after = Entry(entry.point, forked=True, lifts=entry.lifts)
             elif point.seq <= entry.point.seq or ((entry.left or entry.forked) and not lifted):

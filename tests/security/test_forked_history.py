@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import add_items, run_cli, user
+from tests.security.test_history_chain_on_a_file import read_in_a_new_process
 from tests.security.test_whole_file_rollback import anchor_seq, copy_of, file_seq, put_back
 from vault import HistoryTampered, Vault
 from vault.chaincheck import Tamper
@@ -110,4 +111,67 @@ def test_a_session_open_across_an_accept_is_told_and_marks_no_fork(
             again.close()
 
     asyncio.run(go())
+    assert run_cli("verify").code == 0
+
+
+def _accept_first(older: Path, db: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Before this process's next turn at the anchor: the older copy put back and
+    accepted by another process, as if it ran just after this one read the file."""
+    from vault import chainanchor
+
+    real = chainanchor._this_hosts_turn
+    accepted: list[int] = []
+
+    def turn():  # type: ignore[no-untyped-def]
+        if not accepted:
+            put_back(older, db)
+            r = run_cli("accept", "--yes")
+            assert r.code == 0, r
+            accepted.append(file_seq(db))
+        return real()
+
+    monkeypatch.setattr(chainanchor, "_this_hosts_turn", turn)
+    return accepted
+
+
+def test_a_record_that_read_the_file_before_an_accept_does_not_write_over_it(
+    vault: Vault, vault_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process reads its file's state for a record, then another process's `accept`
+    puts the file at an older copy, past the anchor, before this one's turn comes. The
+    state it read is of the history put aside: written over the accepted anchor, it
+    would make every process report the accepted file as rolled back."""
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(3)])
+    older = copy_of(vault_db, tmp_path / "older.db")
+    writer = Vault.open(vault_db)
+    writer.pop("s")
+    writer.pop("s")  # two writes the anchor never saw: this object records none itself
+    assert file_seq(vault_db) - anchor_seq(vault) == 2
+    accepted = _accept_first(older, vault_db, monkeypatch)
+
+    writer.record_anchor()
+    assert accepted and anchor_seq(vault) == accepted[0] == file_seq(vault_db)
+    r = run_cli("verify")
+    assert r.code == 0, r
+    assert read_in_a_new_process(vault_db) == {"items": 3}
+
+
+def test_a_process_open_across_an_accept_records_what_it_reads_after_it(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A lift it did not see keeps a process from recording only a state the file no
+    longer holds: one it read after the accept, and wrote on, is recorded."""
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(3)])
+    writer = Vault.open(vault_db)
+    assert writer.history_verdict("s") is None  # its floor: the anchor before the accept
+    older = copy_of(vault_db, tmp_path / "older.db")
+    add_items(vault_db, "s", [user("put aside by the accept")])
+    put_back(older, vault_db)
+    assert run_cli("accept", "--yes").code == 0
+    add_items(vault_db, "s", [user("after the accept, recorded by its writer")])
+    writer.pop("s")  # on the accepted history; not recorded by the pop itself
+    assert file_seq(vault_db) == anchor_seq(vault) + 1
+
+    writer.record_anchor()
+    assert anchor_seq(vault) == file_seq(vault_db)
     assert run_cli("verify").code == 0

@@ -25,10 +25,11 @@ from vault.keysource.store import anchor_store, marked_left, serves
 # The chain's modules are imported where used: every command loads this one (a base of
 # `Vault`), few judge or record a vault head.
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Mapping
     from contextlib import AbstractContextManager
 
     from vault import crypto
+    from vault.chain import ChainKey
     from vault.chainfloor import Floor
     from vault.chainvault import Point
     from vault.keys import KeyStore
@@ -196,6 +197,7 @@ class Anchored:
                 held = chainanchor.advance(
                     store, vid, vh.point(), lifted=lifted, held=self._marked,
                     seen=floor if into is None else None,
+                    current=lambda: self._now_at(keys),
                 )  # fmt: skip
             except chainanchor.Forked:
                 return None  # the anchor and this process's floor marked (`advance`)
@@ -262,6 +264,18 @@ class Anchored:
         with self.connection() as conn:
             conn.execute("BEGIN")  # deferred: the meta and the vault head of one snapshot
             yield conn, meta_rows(conn)  # a required row deleted stops no record
+
+    def _now_at(self, keys: Mapping[str, ChainKey]) -> Point | None:
+        """In the anchor's turn: the point of the file's vault head now, if it
+        authenticates (None if it cannot be read by then: nothing is recorded)."""
+        from vault.engines.sqlite import vaulthead
+
+        try:
+            with self.connection(timeout=MARK_WAIT) as conn:
+                vh = vaulthead.authentic(conn, keys)
+        except (VaultError, sqlite3.Error, OSError):
+            return None
+        return None if vh is None else vh.point()
 
     def _marked(self) -> bool:
         """In the anchor's turn: whether the file is marked revoked or being shredded.
