@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from vault import crypto, retention
     from vault.chainfloor import Floor
+    from vault.chainvault import Point
     from vault.files import Progress
     from vault.import_source import Plan
     from vault.keys import KeyStore
@@ -221,5 +222,7 @@ class SessionVault(Protocol):
     def clear(self, session_id: str, include_unreadable: bool = False) -> Cleared: ...
 
     def anchor_floor(self) -> Floor | None: ...
+
+    def wrote(self, point: Point | None) -> None: ...
 
     def record_anchor(self, into: KeyStore | None = None) -> object: ...

@@ -16,7 +16,7 @@ import pytest
 
 import vault as vault_pkg
 from tests.conftest import rows, run_cli, user
-from vault.engines.sqlite import session as session_module
+from vault.engines.sqlite import sqlitesession as session_module
 
 
 def _traced(monkeypatch: pytest.MonkeyPatch) -> list[str]:

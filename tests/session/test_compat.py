@@ -1,5 +1,6 @@
 """The vault's own envelope code and the SDK's EncryptedSession agree, both ways; and
-every SDK internal vault/engines/sqlite/session.py relies on is still there and still behaves."""
+every SDK internal the agent session relies on (vault/engines/sqlite/session.py and
+sqlitesession.py) is still there and still behaves."""
 
 from __future__ import annotations
 
@@ -150,8 +151,8 @@ def test_bad_durations(text: str) -> None:
         durations.parse_duration(text)
 
 
-# -- The SDK internals vault/engines/sqlite/session.py relies on --------------------------------
-# Each one is listed in vault/engines/sqlite/session.py's docstring; each has its shape checked
+# -- The SDK internals the agent session's modules rely on -----------------------------
+# Each one is listed in session.py's or sqlitesession.py's docstring; each has its shape checked
 # here and its behaviour checked below, so an SDK release that renames or changes one
 # fails this file before it can fail a user.
 
@@ -217,25 +218,26 @@ def _bare_instances() -> dict[str, Any]:
 
 
 def test_session_docstring_lists_exactly_the_internals_tested_here() -> None:
-    from vault.engines.sqlite import session
+    from vault.engines.sqlite import session, sqlitesession
 
-    listed = set(re.findall(r"`((?:SQLiteSession|EncryptedSession)\.\w+)", session.__doc__ or ""))
+    docs = (session.__doc__ or "") + (sqlitesession.__doc__ or "")
+    listed = set(re.findall(r"`((?:SQLiteSession|EncryptedSession)\.\w+)", docs))
     assert listed == set(SDK_METHODS) | set(SDK_ATTRIBUTES)
 
 
 def test_every_sdk_name_the_session_code_touches_is_listed() -> None:
     """A new override or a new read of an SDK attribute must join the list (and get a test)."""
     from vault import readcache
-    from vault.engines.sqlite import session
+    from vault.engines.sqlite import session, sqlitesession
 
     used = set()
-    for module in (session, readcache):  # readcache's CachedReads is a base of VaultSession
+    for module in (session, sqlitesession, readcache):  # CachedReads: a base of VaultSession
         source = inspect.getsource(module)
         code = source[source.index('"""', 3) + 3 :]  # the code, without the module docstring
         used |= set(re.findall(r"\.(\w+)\b", code))
     overridden = {
         name
-        for cls in (session.VaultSQLiteSession, session.VaultSession, readcache.CachedReads)
+        for cls in (sqlitesession.VaultSQLiteSession, session.VaultSession, readcache.CachedReads)
         for name, value in vars(cls).items()
         if inspect.isfunction(value) or isinstance(value, staticmethod)
     }
@@ -250,12 +252,12 @@ def test_every_sdk_name_the_session_code_touches_is_listed() -> None:
 
 @pytest.mark.parametrize("qualified", sorted(SDK_METHODS))
 def test_sdk_method_keeps_its_signature(qualified: str) -> None:
-    from vault.engines.sqlite import session
+    from vault.engines.sqlite import session, sqlitesession
 
     cls_name, name = qualified.split(".")
     sdk = _sdk_class(cls_name)
     assert _shape(getattr(sdk, name)) == SDK_METHODS[qualified]
-    ours = session.VaultSQLiteSession if sdk is SQLiteSession else session.VaultSession
+    ours = sqlitesession.VaultSQLiteSession if sdk is SQLiteSession else session.VaultSession
     if name in vars(ours):  # an override takes what the SDK passes it
         assert _shape(getattr(ours, name)) == SDK_METHODS[qualified]
     if name == "_configure_connection":  # called on the class as well as on instances

@@ -62,15 +62,7 @@ def insert_items(
         f"UPDATE {SESSIONS_TABLE} SET updated_at = CURRENT_TIMESTAMP WHERE session_id = ?",
         (session_id,),
     )
-    return point  # for `committed`, once the SDK has committed
-
-
-def committed(chain: SessionChain, point: Point | None) -> None:
-    """After the session's own insert or pop committed: its floor passes the vault head
-    it wrote, a state it knows as well as one it read, so a copy from before it, put
-    back, is told."""
-    if chain.floor is not None and point is not None:
-        chain.floor.passes(point)
+    return point  # for `SessionChain.wrote`, once the SDK has committed
 
 
 def _has_rows(conn: sqlite3.Connection, session_id: str) -> bool:
@@ -89,7 +81,7 @@ def pop_newest(
     link, checked by `validate` (the SDK's: authenticates the envelope) and by the
     chain (the head's authentic last item), the head moved back; refused from a file
     behind the chain's floor, as a write is (`insert_items`). Returns the item (None:
-    no row) and the vault head's point after it (for `committed`, once committed).
+    no row) and the vault head's point after it (for `SessionChain.wrote`, once committed).
     InvalidToken when the session's key is stale (the caller rolls back, reloads the
     key and retries)."""
     row = conn.execute(
@@ -132,7 +124,10 @@ class SessionChain:
     keys when it holds the file's key (after reloading it, where a read may), else None;
     `key()`: its own (a write's); `memo`: its read cache's part (vault.readcache), at
     most `keep()` items (0: none); `was_chained`: the file was chained at open, and
-    stays so; `floor`: the vault's anchor as this process knows it (None: no anchor)."""
+    stays so; `floor`: the vault's anchor as this process knows it (None: no anchor);
+    `wrote(point)`: after its own insert or pop committed, the vault head it wrote is a
+    state it knows as well as one it read (its vault's `Anchored.wrote`, which raises
+    the floor they share)."""
 
     keys_of: KeysOf = lambda _kid: None
     key: Callable[[], ChainKey | None] = lambda: None
@@ -140,6 +135,7 @@ class SessionChain:
     keep: Callable[[], int] = lambda: 0
     was_chained: bool = False
     floor: Floor | None = None
+    wrote: Callable[[Point | None], None] = lambda _point: None
 
 
 def read_items(
