@@ -147,9 +147,12 @@ def test_verify_on_a_url_checks_items_guard_migrations_and_changes_nothing(
     assert r.code == 0, r
     assert "items      4 items in 2 sessions: 4 authenticate (1 expired)" in r.out
     assert "not applicable: PostgreSQL" in r.out and "result     ok" in r.out
+    # An ok that does not vouch for what the file vault's chain would: said, not implied.
+    assert "not checked: the history chain, not built on PostgreSQL yet" in r.out
     assert password() not in r.out + r.err
     doc = run_cli("--db", pg_url, "--json", "verify").json()
     assert doc["ok"] is True and doc["backend"] == "postgresql" and doc["authenticated"] == 4
+    assert "not detected" in doc["not_checked"]["history_chain"]
 
     # One tampered item: found, exit 1.
     insert(pg_url, "carnet", [tampered(pg_vault.sealer().seal("carnet", {"x": 1}))])

@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from vault.keys import KeyStore
 
 NOT_APPLICABLE = "not applicable: PostgreSQL"
+# Said wherever a file vault's verify would vouch for the order of the history.
+NOT_CHAINED = (
+    "not built on PostgreSQL yet: items reordered, replayed, deleted or rolled back "
+    "by a writer of the tables are not detected; see SECURITY.md"
+)
 PG_TABLES = (
     SESSIONS_TABLE,
     MESSAGES_TABLE,
@@ -125,7 +130,10 @@ class PgVerifyReport(VerifyReport):
     """`verify` of a PostgreSQL vault: no integrity check or scrub (not applicable)."""
 
     CHECKED = "guard trigger and its function, meta, schema"
-    CHECKED_NOTE = " (integrity check and scrub: not applicable: PostgreSQL)"
+    CHECKED_NOTE = (
+        " (integrity check and scrub: not applicable: PostgreSQL; not checked: the history"
+        f" chain, {NOT_CHAINED})"
+    )
     problem_texts = PG_PROBLEMS
     rotation: dict[str, Any] | None = None
     schema: str | None = None
@@ -136,6 +144,7 @@ class PgVerifyReport(VerifyReport):
         out["schema"] = self.schema
         out["rotation"] = self.rotation
         out["not_applicable"] = {"integrity": NOT_APPLICABLE, "scrub_pending": NOT_APPLICABLE}
+        out["not_checked"] = {"history_chain": NOT_CHAINED}
         return out
 
 
