@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
@@ -136,12 +137,11 @@ def floor(store: Store, vault_id: str, *, named: bool = True, source: str | None
 def advance(
     store: Store,
     vault_id: str,
-    point: Point,
+    point: Point | Callable[[], Point | None],
     *,
     lifted: bool = False,
     held: bool | Callable[[], bool] = False,
     seen: Floor | None = None,
-    current: Callable[[], Point | None] | None = None,
 ) -> Point | None:
     """Record `point` as the newest state seen, and return what the anchor holds now:
     a point behind the stored one leaves it as it is (another process saw a newer
@@ -155,33 +155,30 @@ def advance(
     recording process's floor; an anchor at a `seq` where it saw the file hold another
     point is marked forked, so is `seen`, and `Forked` raised: the file went on from an older state
     than the one recorded, which a `seq` past the anchor's would otherwise launder.
-    `current`: the point the file holds now, asked inside the turn only when the anchor
-    was lifted since `seen` last met it: a point read before that lift, of a history an
-    `accept` or `restore` put aside, is not written over it (every process would then
-    report the file taken on purpose as rolled back); one the file still holds is.
-    A keyring has no check-and-set: this host's processes take turns (`_this_hosts_turn`).
+    A callable `point` is the file's state read inside the turn (None: nothing to
+    record, and None is returned): a state read before another process's `accept`,
+    of the history it put aside, would be written over the lifted anchor, and every
+    process would then report the file taken on purpose as rolled back.
+    A keyring has no check-and-set: this host's processes take turns (`this_hosts_turn`).
     The key service's set is check-and-set, read again on a race with another host."""
-    with _this_hosts_turn():
-        held = held() if callable(held) else held
+    with this_hosts_turn():
         for _ in range(RACE_TRIES):
+            # The file first, then its marks and the entry: each read after the one before.
+            now = point() if callable(point) else point  # again after a race: it may move
+            if now is None:
+                return None
+            marked = held() if callable(held) else held
             entry = _held(store.get(entry_name(vault_id)))
             if entry is None:
-                if held:
+                if marked:
                     return None
-                after = Entry(point, lifts=int(lifted))
-            elif (
-                not lifted
-                and seen is not None
-                and seen.missed(entry)
-                and not (current is not None and current() == point)
-            ):
-                return entry.point  # read before a lift: what the file held may be put aside
+                after = Entry(now, lifts=int(lifted))
             elif not lifted and seen is not None and seen.contradicts(entry):
                 after = Entry(entry.point, forked=True, lifts=entry.lifts)
-            elif point.seq <= entry.point.seq or ((entry.left or entry.forked) and not lifted):
+            elif now.seq <= entry.point.seq or ((entry.left or entry.forked) and not lifted):
                 return entry.point
             else:
-                after = Entry(point, lifts=entry.lifts + lifted)
+                after = Entry(now, lifts=entry.lifts + lifted)
             try:
                 store.set(entry_name(vault_id), _encoded(after))
             except Raced:
@@ -191,16 +188,27 @@ def advance(
                 raise Forked(vault_id)
             if seen is not None:
                 seen.relifted(after.lifts)
-            return point
-        return read(store, vault_id) or point  # still racing: the others' points stand
+            return now
+        return read(store, vault_id)  # still racing: the others' points stand
+
+
+_TURN = threading.local()  # how deep this thread is in `this_hosts_turn`
 
 
 @contextlib.contextmanager
-def _this_hosts_turn() -> Iterator[None]:
+def this_hosts_turn() -> Iterator[None]:
     """One process of this user on this host at a time reads and sets an anchor: an
     exclusive flock on `anchor.lock` in the user's cache folder. Waited for up to the
     keyring's deadline; not to be had (no flock, no folder, or the wait ran out), the
-    caller goes on unlocked: a wider window, never a false alarm."""
+    caller goes on unlocked: a wider window, never a false alarm. Re-entrant in a
+    thread: `accept` holds it from its read of the anchor to its record."""
+    if getattr(_TURN, "depth", 0):
+        _TURN.depth += 1
+        try:
+            yield
+        finally:
+            _TURN.depth -= 1
+        return
     import platformdirs
 
     from vault import files, paths
@@ -211,15 +219,17 @@ def _this_hosts_turn() -> Iterator[None]:
         paths.ensure_private_folder(folder)
         fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | files.nofollow(), 0o600)
     except OSError:
-        yield
-        return
+        fd = -1
     try:
         deadline = time.monotonic() + keyring_timeout()
-        while not files.try_lock(fd) and time.monotonic() < deadline:
+        while fd >= 0 and not files.try_lock(fd) and time.monotonic() < deadline:
             time.sleep(0.01)
+        _TURN.depth = 1
         yield
     finally:
-        os.close(fd)  # releases the lock
+        _TURN.depth = 0
+        if fd >= 0:
+            os.close(fd)  # releases the lock
 
 
 def replace(store: Store, vault_id: str, point: Point | None) -> None:
@@ -263,7 +273,7 @@ def leave(store: Store, vault_id: str) -> None:
 def forget(store: Store, vault_id: str) -> bool:
     """Delete the anchor (shred and revoke destroy the vault's entries), in this host's
     turn: an `advance(held=True)` that found it is not let write it again after."""
-    with _this_hosts_turn():
+    with this_hosts_turn():
         return store.delete(entry_name(vault_id))
 
 

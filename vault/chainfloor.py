@@ -78,12 +78,6 @@ class Floor:
         if len(self._seen) > SEEN_MAX:
             del self._seen[next(iter(self._seen))]
 
-    def missed(self, held: Entry) -> bool:
-        """Whether the anchor `held` was lifted (`restore`, `accept`) since this process
-        last met it: the points it saw may be of the history put aside."""
-        with self._guard:
-            return held.lifts != self.lifts
-
     def contradicts(self, held: Entry) -> bool:
         """Whether the anchor `held` is at a `seq` where this process saw the file hold
         another point: one history has one point at each `seq`. Not after a lift this

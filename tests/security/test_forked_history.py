@@ -119,7 +119,7 @@ def _accept_first(older: Path, db: Path, monkeypatch: pytest.MonkeyPatch) -> lis
     accepted by another process, as if it ran just after this one read the file."""
     from vault import chainanchor
 
-    real = chainanchor._this_hosts_turn
+    real = chainanchor.this_hosts_turn
     accepted: list[int] = []
 
     def turn():  # type: ignore[no-untyped-def]
@@ -130,7 +130,7 @@ def _accept_first(older: Path, db: Path, monkeypatch: pytest.MonkeyPatch) -> lis
             accepted.append(file_seq(db))
         return real()
 
-    monkeypatch.setattr(chainanchor, "_this_hosts_turn", turn)
+    monkeypatch.setattr(chainanchor, "this_hosts_turn", turn)
     return accepted
 
 
@@ -175,3 +175,64 @@ def test_a_process_open_across_an_accept_records_what_it_reads_after_it(
     writer.record_anchor()
     assert anchor_seq(vault) == file_seq(vault_db)
     assert run_cli("verify").code == 0
+
+
+def test_an_accept_goes_past_what_was_recorded_since_it_read_the_anchor(
+    vault: Vault, vault_db: Path, tmp_path: Path
+) -> None:
+    """A `Vault` object whose view of the anchor is older than a record another process
+    made since (writes its own floor never saw): its `accept` of a file put back goes
+    past the anchor as stored now, not as it once read it, or the accepted state would
+    be behind the anchor and reported as rolled back."""
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(3)])
+    older = copy_of(vault_db, tmp_path / "older.db")
+    accepting = Vault.open(vault_db)
+    assert accepting.history_verdict("s") is None  # its floor: the anchor now
+    writer = Vault.open(vault_db)
+    writer.pop("s")
+    writer.pop("s")
+    writer.record_anchor()  # another process records two writes
+    recorded = anchor_seq(vault)
+    assert recorded == file_seq(vault_db)
+    put_back(older, vault_db)
+
+    accepted = accepting.accept_history()
+    assert accepted.anchored and file_seq(vault_db) == anchor_seq(vault) == recorded + 1
+    r = run_cli("verify")
+    assert r.code == 0, r
+
+
+def test_a_record_that_read_the_file_before_an_accept_wrote_it_does_not_take_its_place(
+    vault: Vault, vault_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other order: the accept's write to the file lands between this process's
+    read of the file and its turn at the anchor, and its own record comes after that
+    turn. A state read before the accept must not be recorded then, or the accept's
+    record, behind it, would leave the accepted file reported as rolled back."""
+    from vault import chainanchor
+
+    add_items(vault_db, "s", [user(f"item {i}") for i in range(3)])
+    older = copy_of(vault_db, tmp_path / "older.db")
+    writer = Vault.open(vault_db)
+    writer.pop("s")
+    writer.pop("s")  # two writes the anchor never saw
+    accepting: list[Vault] = []
+    real = chainanchor.this_hosts_turn
+
+    def turn():  # type: ignore[no-untyped-def]
+        if not accepting:
+            put_back(older, vault_db)
+            other = Vault.open(vault_db)
+            accepting.append(other)
+            other.record_anchor = lambda **_kw: None  # type: ignore[method-assign]
+            other.accept_history()  # its record deferred to after this process's turn
+            del other.record_anchor
+        return real()
+
+    monkeypatch.setattr(chainanchor, "this_hosts_turn", turn)
+    writer.record_anchor()
+    monkeypatch.setattr(chainanchor, "this_hosts_turn", real)
+    assert accepting[0].record_anchor(lifted=True) is not None
+    assert anchor_seq(vault) == file_seq(vault_db)
+    r = run_cli("verify")
+    assert r.code == 0, r

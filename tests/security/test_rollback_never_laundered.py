@@ -391,26 +391,26 @@ def test_a_missing_anchor_is_created_beside_a_busy_writer(vault: Vault, vault_db
 def test_a_record_that_read_the_file_before_a_revoke_does_not_write_its_anchor_back(
     vault: Vault, vault_db: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A record reads the file, then a whole revoke runs (its mark, the anchor forgotten,
-    the keys destroyed), then the record takes its turn at the anchor: it asks the file
-    again there, and leaves no anchor that a later revoke would not remove."""
+    """A record has judged the file and holds its keys, then a whole revoke runs (its
+    mark, the anchor forgotten, the keys destroyed), then the record takes its turn at
+    the anchor: it asks the file again there, and leaves no anchor that a later revoke
+    would not remove."""
     from vault import chainanchor
-    from vault.engines.sqlite.anchoring import Anchored
     from vault.keys import KeyStore
 
     add_items(vault_db, "s", [user("before the revoke")])
     recorder = Vault.open(vault_db)
     recorder.sealer()
     assert recorder.record_anchor() is not None
-    real = Anchored._snapshot_meta
+    real = chainanchor.this_hosts_turn
 
     @contextlib.contextmanager
-    def then_a_revoke(self: Anchored) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:
-        with real(self) as snapshot:
-            yield snapshot
+    def after_a_revoke() -> Iterator[None]:
         assert run_cli("revoke", "--yes").code == 0  # before the record's turn
+        with real():
+            yield
 
-    monkeypatch.setattr(Anchored, "_snapshot_meta", then_a_revoke)
+    monkeypatch.setattr(chainanchor, "this_hosts_turn", after_a_revoke)
     assert recorder.record_anchor() is None
     assert chainanchor.read(KeyStore(), vault.vault_id) is None
 

@@ -5,6 +5,7 @@ sqlitesession.py) is still there and still behaves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -13,6 +14,7 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -353,6 +355,27 @@ def test_sdk_connection_registry_closes_what_our_get_connection_opened(
     s.close()
     with pytest.raises(sqlite3.ProgrammingError):
         mine.execute("SELECT 1")
+
+
+def test_sdk_add_items_commits_as_the_last_step_of_its_write_block(tmp_path: Path) -> None:
+    """VaultSQLiteSession passes the point an `add_items` wrote to the floor once the
+    SDK's `_write_connection` block ends without raising: so that block must end with
+    its COMMIT, as it does in the SDK's `add_items`."""
+    ended: list[bool] = []
+
+    class Probe(SQLiteSession):
+        @contextlib.contextmanager
+        def _write_connection(self) -> Iterator[sqlite3.Connection]:
+            with super()._write_connection() as conn:
+                yield conn
+                ended.append(conn.in_transaction)
+
+    probe = Probe("probe", tmp_path / "probe.db")
+    try:
+        asyncio.run(probe.add_items([{"role": "user", "content": "x"}]))
+    finally:
+        probe.close()
+    assert ended == [False]  # the block ran, and no transaction was left open after it
 
 
 def test_sdk_pop_authenticates_before_it_deletes(vault: Any, vault_db: Path) -> None:

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from vault import backupmark, chainops, crypto
+from vault import backupmark, chainanchor, chainops, crypto
 from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.db import audit
 from vault.results import Accepted
@@ -41,6 +41,8 @@ class _File(Protocol):
 
     def anchor_floor(self) -> Floor | None: ...
 
+    def stored_anchor(self) -> Point | None: ...
+
     def record_anchor(self, *, lifted: bool = False) -> Point | None: ...
 
 
@@ -51,13 +53,23 @@ def accept_history(vault: _File) -> Accepted:
     backupmark.refuse_writes(vault, "`memvault accept`")
     sealer = vault.sealer()
     floor = vault.anchor_floor()
-    with vault.write_transaction() as conn:
-        sealer = vault.check_kid(conn, sealer)
-        key = chainops.key_of(sealer, vault.vault_id)
-        n, matched = vaulthead.accept(conn, key, str(vault.path), floor.point if floor else None)
-        # A file naming a key source its keys left (chainanchor.leave), or one another
-        # process found forked from the recorded history, did not match either.
-        matched = matched and not (floor is not None and (floor.left or floor.forked))
-        audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
-    held = vault.record_anchor(lifted=True)  # None: the anchor's store failed
-    return Accepted(n, matched, anchored=held is not None)
+    # This host's anchor turn, from the anchor's read to the record: a process that
+    # records meanwhile a state it read of the file before (writes the anchor never
+    # saw) would take the anchor past the accepted state, which every process would
+    # then report as rolled back.
+    with chainanchor.this_hosts_turn():
+        past = _later(floor.point if floor else None, vault.stored_anchor())
+        with vault.write_transaction() as conn:
+            sealer = vault.check_kid(conn, sealer)
+            key = chainops.key_of(sealer, vault.vault_id)
+            n, matched, point = vaulthead.accept(conn, key, str(vault.path), past)
+            # A file naming a key source its keys left (chainanchor.leave), or one another
+            # process found forked from the recorded history, did not match either.
+            matched = matched and not (floor is not None and (floor.left or floor.forked))
+            audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
+        held = vault.record_anchor(lifted=True)  # None: the anchor's store failed
+    return Accepted(n, matched, anchored=held == point)
+
+
+def _later(a: Point | None, b: Point | None) -> Point | None:
+    return a if b is None or (a is not None and a.seq >= b.seq) else b

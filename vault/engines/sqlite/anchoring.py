@@ -25,11 +25,10 @@ from vault.keysource.store import anchor_store, marked_left, serves
 # The chain's modules are imported where used: every command loads this one (a base of
 # `Vault`), few judge or record a vault head.
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping
+    from collections.abc import Callable, Iterator
     from contextlib import AbstractContextManager
 
     from vault import crypto
-    from vault.chain import ChainKey
     from vault.chainfloor import Floor
     from vault.chainvault import Point
     from vault.keys import KeyStore
@@ -142,6 +141,16 @@ class Anchored:
             self._floor_read = True
         return self._floor
 
+    def stored_anchor(self) -> Point | None:
+        """The anchor's point as its store holds it now (None: none yet, one memvault
+        did not write, or the store failed)."""
+        from vault import chainanchor
+
+        try:
+            return chainanchor.read(anchor_store(self.keystore), self.meta()["vault_id"])
+        except (VaultError, ValueError, KeyError):
+            return None
+
     def wrote(self, point: Point | None) -> None:
         """After this object's own write committed (pop, clear, purge, import, rotate): its
         floor, once read, passes the vault head it wrote, a state it knows as well as one
@@ -171,33 +180,38 @@ class Anchored:
             if self._judged is None:
                 return None
             vid, was_backup, away = self._judged
-            with self._snapshot_meta() as (conn, meta):
-                if away or (was_backup and backupmark.is_backup(meta)):
-                    return None  # a backup, as judged and still (a mark added stops none)
-                # Rows no MAC covers: believed only as far as revoke or shred acted on them
-                # (the anchor forgotten), asked again in the anchor's turn (`_marked`).
-                keys = chainops.keys_for(self._sealer, vid)
-                if into is not None:
-                    vh = vaulthead.authentic(conn, keys)
-                else:
-                    # A head sealed for the source this object loaded its key and anchor
-                    # through, whatever the rows say: rows changed under an open session
-                    # must not stop its records (a 0.2 head vouches for none: the rows).
-                    through = vaulthead.store_source(self.keystore)
-                    vh = vaulthead.authentic(conn, keys, through)
-                    if vh is not None and vh.source is None and not serves(self.keystore, meta):
-                        vh = None
-            if vh is None:
-                return None
-            if floor is not None and lifted:
-                floor.lift(vh.point())
-            if floor is not None and not floor.passes(vh.point()):
-                return None  # a file behind what was seen of it: never recorded as newer
+            keys = chainops.keys_for(self._sealer, vid)
+
+            def now() -> Point | None:
+                # In the anchor's turn: the file's state then, not one read before another
+                # process's `accept` put it aside (chainanchor.advance).
+                with self._snapshot_meta() as (conn, meta):
+                    if away or (was_backup and backupmark.is_backup(meta)):
+                        return None  # a backup, as judged and still (a mark added stops none)
+                    # Rows no MAC covers: believed only as far as revoke or shred acted on
+                    # them (the anchor forgotten), asked again in the turn (`_marked`).
+                    if into is not None:
+                        vh = vaulthead.authentic(conn, keys)
+                    else:
+                        # A head sealed for the source this object loaded its key and
+                        # anchor through, whatever the rows say: rows changed under an open
+                        # session must not stop its records (a 0.2 head vouches for none).
+                        through = vaulthead.store_source(self.keystore)
+                        vh = vaulthead.authentic(conn, keys, through)
+                        if vh is not None and vh.source is None and not serves(self.keystore, meta):
+                            vh = None
+                if vh is None:
+                    return None
+                if floor is not None and lifted:
+                    floor.lift(vh.point())
+                if floor is not None and not floor.passes(vh.point()):
+                    return None  # a file behind what was seen of it: never recorded as newer
+                return vh.point()
+
             try:
                 held = chainanchor.advance(
-                    store, vid, vh.point(), lifted=lifted, held=self._marked,
+                    store, vid, now, lifted=lifted, held=self._marked,
                     seen=floor if into is None else None,
-                    current=lambda: self._now_at(keys),
                 )  # fmt: skip
             except chainanchor.Forked:
                 return None  # the anchor and this process's floor marked (`advance`)
@@ -261,21 +275,11 @@ class Anchored:
 
     @contextlib.contextmanager
     def _snapshot_meta(self) -> Iterator[tuple[sqlite3.Connection, dict[str, str]]]:
-        with self.connection() as conn:
+        # In the anchor's turn: a file held by another (a restore's exclusive lock) is
+        # not waited for long, as the turn is this host's (`_marked`).
+        with self.connection(timeout=MARK_WAIT) as conn:
             conn.execute("BEGIN")  # deferred: the meta and the vault head of one snapshot
             yield conn, meta_rows(conn)  # a required row deleted stops no record
-
-    def _now_at(self, keys: Mapping[str, ChainKey]) -> Point | None:
-        """In the anchor's turn: the point of the file's vault head now, if it
-        authenticates (None if it cannot be read by then: nothing is recorded)."""
-        from vault.engines.sqlite import vaulthead
-
-        try:
-            with self.connection(timeout=MARK_WAIT) as conn:
-                vh = vaulthead.authentic(conn, keys)
-        except (VaultError, sqlite3.Error, OSError):
-            return None
-        return None if vh is None else vh.point()
 
     def _marked(self) -> bool:
         """In the anchor's turn: whether the file is marked revoked or being shredded.

@@ -144,11 +144,12 @@ class VaultSQLiteSession(SQLiteSession):
     def _write_connection(self) -> Iterator[sqlite3.Connection]:
         with super()._write_connection() as conn:
             yield conn
-        # The SDK's write block ends with its COMMIT, so reached, the write is a state this
-        # session knows (`SessionChain.wrote`), even if its caller was cancelled meanwhile.
-        written = _WRITING.get(None)
-        if written:
-            self.chain.wrote(written[-1])
+            # The SDK's `add_items` block ends with its COMMIT, so reached, the write is a
+            # state this session knows (`SessionChain.wrote`), even if its caller was
+            # cancelled meanwhile; still under the SDK's lock, before another read.
+            written = _WRITING.get(None)
+            if written:
+                self.chain.wrote(written[-1])
 
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row

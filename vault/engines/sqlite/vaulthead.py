@@ -315,13 +315,13 @@ def _listed(conn: sqlite3.Connection, session_id: str) -> bool:
 
 def accept(
     conn: sqlite3.Connection, key: ChainKey, where: str, anchor: Point | None = None
-) -> tuple[int, bool]:
+) -> tuple[int, bool, Point]:
     """The vault head summed afresh over the heads as they stand, on purpose: the way to
     take as it is a vault whose sessions no longer match it, or a file older than its
     `anchor` (the new vault head goes past it). Refused while a session's own head does
     not authenticate (that session's check names it; `clear --include-unreadable`
-    deletes it on purpose). Returns the number of sessions and whether the stored vault
-    head matched them already, not behind the anchor."""
+    deletes it on purpose). Returns the number of sessions, whether the stored vault
+    head matched them already, not behind the anchor, and the point written."""
     heads = stored_heads(conn)
     decoded = _decoded(heads)
     for sid in heads:
@@ -346,5 +346,6 @@ def accept(
     if vh is not None and anchor is not None and chainvault.behind(vh.point(), anchor):
         matched = False
     past = 0 if anchor is None else anchor.seq
-    _write(conn, chainvault.accepted(key, vh, decoded, source, past))
-    return len(heads), matched
+    written = chainvault.accepted(key, vh, decoded, source, past)
+    _write(conn, written)
+    return len(heads), matched, written.point()
