@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
@@ -192,23 +191,12 @@ def advance(
         return read(store, vault_id)  # still racing: the others' points stand
 
 
-_TURN = threading.local()  # how deep this thread is in `this_hosts_turn`
-
-
 @contextlib.contextmanager
 def this_hosts_turn() -> Iterator[None]:
     """One process of this user on this host at a time reads and sets an anchor: an
     exclusive flock on `anchor.lock` in the user's cache folder. Waited for up to the
     keyring's deadline; not to be had (no flock, no folder, or the wait ran out), the
-    caller goes on unlocked: a wider window, never a false alarm. Re-entrant in a
-    thread: `accept` holds it from its read of the anchor to its record."""
-    if getattr(_TURN, "depth", 0):
-        _TURN.depth += 1
-        try:
-            yield
-        finally:
-            _TURN.depth -= 1
-        return
+    caller goes on unlocked, and the races the turn closes are open again."""
     import platformdirs
 
     from vault import files, paths
@@ -219,17 +207,15 @@ def this_hosts_turn() -> Iterator[None]:
         paths.ensure_private_folder(folder)
         fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | files.nofollow(), 0o600)
     except OSError:
-        fd = -1
+        yield
+        return
     try:
         deadline = time.monotonic() + keyring_timeout()
-        while fd >= 0 and not files.try_lock(fd) and time.monotonic() < deadline:
+        while not files.try_lock(fd) and time.monotonic() < deadline:
             time.sleep(0.01)
-        _TURN.depth = 1
         yield
     finally:
-        _TURN.depth = 0
-        if fd >= 0:
-            os.close(fd)  # releases the lock
+        os.close(fd)  # releases the lock
 
 
 def replace(store: Store, vault_id: str, point: Point | None) -> None:

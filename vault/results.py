@@ -73,7 +73,8 @@ class Accepted:
     """`Vault.accept_history`: the vault head summed afresh over this many sessions'
     heads, on purpose, past the anchor; `matched` says whether the stored one already
     matched them and was not older than the anchor; `anchored`, whether the anchor
-    outside the file took the new state (False: the keyring or key service failed)."""
+    outside the file holds the new state or a later one (False: the keyring or key
+    service failed, or a record of another state got there first)."""
 
     sessions: int
     matched: bool

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from vault import backupmark, chainanchor, chainops, crypto
+from vault import backupmark, chainops, crypto
 from vault.engines.sqlite import vaulthead
 from vault.engines.sqlite.db import audit
 from vault.results import Accepted
@@ -53,22 +53,23 @@ def accept_history(vault: _File) -> Accepted:
     backupmark.refuse_writes(vault, "`memvault accept`")
     sealer = vault.sealer()
     floor = vault.anchor_floor()
-    # This host's anchor turn, from the anchor's read to the record: a process that
-    # records meanwhile a state it read of the file before (writes the anchor never
-    # saw) would take the anchor past the accepted state, which every process would
-    # then report as rolled back.
-    with chainanchor.this_hosts_turn():
+    with vault.write_transaction() as conn:
+        sealer = vault.check_kid(conn, sealer)
+        key = chainops.key_of(sealer, vault.vault_id)
+        # The anchor as stored now, under the write lock, not as this object first read
+        # it: another process may have recorded writes since, and the accepted state
+        # must go past them. While the lock is held the file cannot move on, and a record
+        # reads it in its turn (chainanchor.advance): none can take the anchor past it.
         past = _later(floor.point if floor else None, vault.stored_anchor())
-        with vault.write_transaction() as conn:
-            sealer = vault.check_kid(conn, sealer)
-            key = chainops.key_of(sealer, vault.vault_id)
-            n, matched, point = vaulthead.accept(conn, key, str(vault.path), past)
-            # A file naming a key source its keys left (chainanchor.leave), or one another
-            # process found forked from the recorded history, did not match either.
-            matched = matched and not (floor is not None and (floor.left or floor.forked))
-            audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
-        held = vault.record_anchor(lifted=True)  # None: the anchor's store failed
-    return Accepted(n, matched, anchored=held == point)
+        n, matched, point = vaulthead.accept(conn, key, str(vault.path), past)
+        # A file naming a key source its keys left (chainanchor.leave), or one another
+        # process found forked from the recorded history, did not match either.
+        matched = matched and not (floor is not None and (floor.left or floor.forked))
+        audit(conn, "accept", sealer.kid, sessions=n, matched=matched)
+    held = vault.record_anchor(lifted=True)  # None: the anchor's store failed
+    # At or past the accepted state: another process may have written on it and
+    # recorded that between the commit and this record.
+    return Accepted(n, matched, anchored=held is not None and held.seq >= point.seq)
 
 
 def _later(a: Point | None, b: Point | None) -> Point | None:
