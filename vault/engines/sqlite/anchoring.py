@@ -141,14 +141,19 @@ class Anchored:
             self._floor_read = True
         return self._floor
 
-    def stored_anchor(self) -> Point | None:
-        """The anchor's point as its store holds it now (None: none yet, one memvault
-        did not write, or the store failed)."""
+    def stored_anchor(self, strict: bool = False) -> Point | None:
+        """The anchor's point as its store holds it now (None: none yet, or one memvault
+        did not write). A store that fails reads as None too, unless `strict`: `accept`
+        falls back to its floor, while `restore` must not move an anchor it could not read."""
         from vault import chainanchor
 
         try:
             return chainanchor.read(anchor_store(self.keystore), self.meta()["vault_id"])
-        except (VaultError, ValueError, KeyError):
+        except ValueError:
+            return None
+        except (VaultError, KeyError):
+            if strict:
+                raise
             return None
 
     def wrote(self, point: Point | None) -> None:
@@ -320,14 +325,11 @@ def past_the_anchor(
     matches its heads: it is summed again over them, one write past both). The anchor
     then moves to it (`record_anchor` of the restored file): only forward, so that no
     process that saw the replaced file takes the restored one for a rollback."""
-    from vault import chainanchor, chainops
+    from vault import chainops
     from vault.engines.sqlite import vaulthead
 
     key = chainops.key_of(backup.sealer(), backup.meta()["vault_id"])
-    try:
-        anchor = chainanchor.read(anchor_store(backup.keystore), key.vault_id)
-    except ValueError:  # not memvault's: the restored file starts it afresh
-        anchor = None
+    anchor = backup.stored_anchor(strict=True)  # None, not memvault's: started afresh
     if replaced is not None and (anchor is None or replaced.seq > anchor.seq):
         anchor = replaced
 

@@ -48,14 +48,25 @@ from typing import Any
 from agents import SessionSettings, SQLiteSession
 from agents.memory.session_settings import resolve_session_limit
 
+from vault.chainvault import Point
 from vault.engines.sqlite import chainsession, sdkerrors
 from vault.engines.sqlite.db import configure, lock_timeout
 from vault.engines.sqlite.sdkerrors import sdk_error, undecodable_rows_as_none
 
-# The vault head points an `add_items` wrote, set while it runs (asyncio.to_thread copies
-# it to the SDK's thread). A write reads no meta first: the file's triggers refuse an item
-# under a stale key id, and `VaultSession.add_items` reloads the key and retries.
-_WRITING: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("memvault_writing")
+
+class _Write:
+    """One `add_items` call: the vault head point its insert wrote, once it has."""
+
+    __slots__ = ("point",)
+
+    def __init__(self) -> None:
+        self.point: Point | None = None
+
+
+# Set while an `add_items` runs (asyncio.to_thread copies it to the SDK's thread). A
+# write reads no meta first: the file's triggers refuse an item under a stale key id,
+# and `VaultSession.add_items` reloads the key and retries.
+_WRITING: contextvars.ContextVar[_Write] = contextvars.ContextVar("memvault_writing")
 
 
 def writing() -> bool:
@@ -117,7 +128,7 @@ class VaultSQLiteSession(SQLiteSession):
                 self._connections.add(connection)
                 self._connection_owners[connection] = threading.current_thread()
         conn: sqlite3.Connection = self._local.connection
-        if _WRITING.get(None) is None:
+        if not writing():
             # The version stays unseen until the next read, which then notices the change.
             self._notice_changes(conn)
         return conn
@@ -134,7 +145,7 @@ class VaultSQLiteSession(SQLiteSession):
             raise sdk_error(exc, self._vault_path) from exc
 
     async def add_items(self, items: list[Any]) -> None:
-        token = _WRITING.set([])  # per call: two writes at once each pass their own point
+        token = _WRITING.set(_Write())  # per call: two writes at once each pass their own
         try:
             await super().add_items(items)
         finally:
@@ -147,15 +158,17 @@ class VaultSQLiteSession(SQLiteSession):
             # The SDK's `add_items` block ends with its COMMIT, so reached, the write is a
             # state this session knows (`SessionChain.wrote`), even if its caller was
             # cancelled meanwhile; still under the SDK's lock, before another read.
-            written = _WRITING.get(None)
-            if written:
-                self.chain.wrote(written[-1])
+            write = _WRITING.get(None)
+            if write is not None and write.point is not None:
+                self.chain.wrote(write.point)
 
     def _insert_items(self, conn: sqlite3.Connection, items: list[Any]) -> None:
         texts = [json.dumps(item) for item in items]  # the SDK's own text of each row
         key, where, floor = self.chain.key(), str(self._vault_path), self.chain.floor
         point = chainsession.insert_items(conn, self.session_id, texts, key, where, floor)  # type: ignore[arg-type]
-        _WRITING.get([]).append(point)
+        write = _WRITING.get(None)
+        if write is not None:
+            write.point = point
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         # The SDK's read, its rows judged with their head in the same snapshot first.
