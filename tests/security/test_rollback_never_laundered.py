@@ -15,11 +15,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.chainkit import insert_chained
 from tests.conftest import ROOT, add_items, run_cli, user
 from tests.files.test_import import make_plain
 from tests.security.test_history_chain_on_a_file import read_in_a_new_process
@@ -436,3 +438,58 @@ def test_a_session_open_across_a_revoke_writes_no_anchor_again(
 
     asyncio.run(go())
     assert chainanchor.read(KeyStore(), vault.vault_id) is None
+
+
+_HOLD_EXCLUSIVELY = """
+import sqlite3, sys
+from pathlib import Path
+from vault.engines.sqlite.conn import lock_exclusively
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+lock_exclusively(c, Path(sys.argv[1]), "try again")  # as a restore or a shred holds it
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_a_record_that_cannot_read_the_file_in_its_turn_records_nothing(
+    vault: Vault, vault_db: Path
+) -> None:
+    """A record reads the file inside this host's turn at the anchor, and waits for it
+    there only briefly: a file another process holds exclusively (a restore, a shred)
+    is not waited for, and nothing is recorded. The anchor stays behind, a wider
+    window, never ahead of the file; the next record once the file is free moves it."""
+    from vault import chainanchor
+    from vault.keys import KeyStore
+
+    add_items(vault_db, "s", [user("one")])
+    vault_id = vault.vault_id  # read now: the file is held below
+    recorder = Vault.open(vault_db)
+    recorder.sealer()
+    first = recorder.record_anchor()
+    assert first is not None and anchor_seq(vault) == first.seq
+    sealer = vault.sealer()
+    with contextlib.closing(sqlite3.connect(vault_db)) as conn, conn:
+        # A write memvault's way with no record after it: a state the anchor has not seen.
+        insert_chained(conn, sealer, [("s", sealer.seal("s", user("two")))])
+    later = file_seq(vault_db)
+    assert later > first.seq
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_EXCLUSIVELY, str(vault_db)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        started = time.monotonic()
+        assert recorder.record_anchor() is None
+        # Not the file's two-minute lock wait: the turn is this host's, not this file's.
+        assert time.monotonic() - started < 30
+        assert chainanchor.read(KeyStore(), vault_id) == first
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    held = recorder.record_anchor()
+    assert held is not None and held.seq == later == anchor_seq(vault)
