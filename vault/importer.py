@@ -379,7 +379,8 @@ class Importer:
             while batch := rows.fetchmany(BATCH):
                 sealed = self._seal_batch(sid, batch, sealer, source_digest)
                 texts = [s[1] for s in sealed]
-                links, at = chainrows.append(conn, key, sid, texts, str(vault.path))
+                head = chainrows.read_head(conn, sid)  # the last batch's
+                links, at = chainrows.append(conn, key, sid, texts, str(vault.path), head)
                 conn.executemany(  # each row with its chain link, the head moved with them
                     f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, created_at, chain) "
                     "VALUES (?, ?, coalesce(?, CURRENT_TIMESTAMP), ?)",

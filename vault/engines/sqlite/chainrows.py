@@ -45,27 +45,36 @@ def write_head(
     before: Head | None,
     after: Head,
     where: str,
+    floor: Floor | None = None,
 ) -> Point | None:
     """The session's head moved from `before` (None: it had none) to `after`, and the
-    vault head with it (vault.engines.sqlite.vaulthead), whose point this returns."""
+    vault head with it (vault.engines.sqlite.vaulthead), whose point this returns;
+    refused if the file is behind `floor`."""
     conn.execute(
         f"INSERT INTO {HEADS_TABLE} (session_id, head) VALUES (?, ?) "
         "ON CONFLICT(session_id) DO UPDATE SET head = excluded.head",
         (session_id, after.encode()),
     )
-    return vaulthead.move(conn, key, session_id, before, after, where)
+    return vaulthead.move(conn, key, session_id, before, after, where, floor)
 
 
 def append(
-    conn: sqlite3.Connection, key: ChainKey, session_id: str, texts: Sequence[str], where: str
+    conn: sqlite3.Connection,
+    key: ChainKey,
+    session_id: str,
+    texts: Sequence[str],
+    where: str,
+    stored: str | None,
+    floor: Floor | None = None,
 ) -> tuple[list[str], Point | None]:
-    """The links of `texts`, appended to the session in this transaction, and the vault
-    head's point after them; the head is written here, the caller inserts each text
-    with its link."""
-    stored = read_head(conn, session_id)
+    """The links of `texts`, appended to the session whose head is `stored` (as read in
+    this transaction), and the vault head's point after them; the head is written
+    here, the caller inserts each text with its link. Refused if the file is behind
+    `floor`."""
     head = chainops.head_to_move(key, session_id, stored, where)
     links, moved = chain.extend(key, session_id, head, texts)
-    point = write_head(conn, key, session_id, None if stored is None else head, moved, where)
+    before = None if stored is None else head
+    point = write_head(conn, key, session_id, before, moved, where, floor)
     return [lk.encode() for lk in links], point
 
 
@@ -82,7 +91,10 @@ def insert_rows(
     by_session: dict[str, list[str]] = {}
     for sid, text in rows:
         by_session.setdefault(sid, []).append(text)
-    links = {sid: iter(append(conn, key, sid, texts, "")[0]) for sid, texts in by_session.items()}
+    links = {
+        sid: iter(append(conn, key, sid, texts, "", read_head(conn, sid))[0])
+        for sid, texts in by_session.items()
+    }
     stamps = (
         [created_at] * len(rows)
         if created_at is None or isinstance(created_at, str)

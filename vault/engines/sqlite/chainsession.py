@@ -43,7 +43,8 @@ def insert_items(
     refuses the items themselves when the session has no head yet."""
     # The first write takes the write lock: the head read next is the one this commits over.
     conn.execute(f"INSERT OR IGNORE INTO {SESSIONS_TABLE} (session_id) VALUES (?)", (session_id,))
-    head = Head.decode(read_head(conn, session_id))
+    stored = read_head(conn, session_id)
+    head = Head.decode(stored)
     if head is not None and head.kid != key.kid:
         if file_kid(conn) == key.kid:  # the session's key is the file's: the head was edited
             raise chainops.tampered(session_id, "unauthenticated", where)
@@ -51,9 +52,8 @@ def insert_items(
     if head is None and chained(conn) and _has_rows(conn, session_id):
         # Rows with no head: the head was deleted. A new chain here would hide that.
         raise chainops.tampered(session_id, "unauthenticated", where)
-    if floor is not None:
-        vaulthead.refuse_behind(conn, key, floor, session_id, where)
-    links, point = append(conn, key, session_id, texts, where)
+    # A file behind `floor` is refused there (vaulthead.move): this transaction rolls back.
+    links, point = append(conn, key, session_id, texts, where, stored, floor)
     conn.executemany(
         f"INSERT INTO {MESSAGES_TABLE} (session_id, message_data, chain) VALUES (?, ?, ?)",
         [(session_id, t, lk) for t, lk in zip(texts, links, strict=True)],

@@ -177,9 +177,11 @@ def move(
     before: Head | None,
     after: Head,
     where: str,
+    floor: Floor | None = None,
 ) -> Point | None:
     """The vault head after one session's head went from `before` to `after`; its point
-    (None while the upgrade's build has written none)."""
+    (None while the upgrade's build has written none). `floor`: refused as
+    `refuse_behind` would, from the one read and check of the vault head."""
     text = _stored(conn)
     if text is None:
         if chained(conn):
@@ -194,7 +196,11 @@ def move(
         if vh is None:
             raise ValueError("no vault head")
         source = _sealed_for(conn, vh)
-        moved = chainvault.moved(key, vh, session_id, before, after, source)
+        if floor is not None:
+            _refuse_other_source(conn, floor, source, session_id, where)
+        moved = chainvault.moved(key, vh, session_id, before, after, source)  # authenticated
+        if floor is not None and not floor.passes(vh.point()):
+            raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
         _write(conn, moved)
         return moved.point()
     except ValueError:
@@ -286,13 +292,19 @@ def refuse_behind(
     if vh is None:
         return
     source = _sealed_for(conn, vh)
+    _refuse_other_source(conn, floor, source, session_id, where)
+    if chainvault.vault_head_ok(key, vh, source) and not floor.passes(vh.point()):
+        raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
+
+
+def _refuse_other_source(
+    conn: sqlite3.Connection, floor: Floor, source: str, session_id: str, where: str
+) -> None:
     if floor.source is not None and source != floor.source:
         # Rows naming that source too: a move since (VaultBusy, from `_through`). Else
         # the vault head or the rows were changed: the mismatch every reader tells.
         _through(conn, floor)
         raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where)
-    if chainvault.vault_head_ok(key, vh, source) and not floor.passes(vh.point()):
-        raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
 
 
 def authentic(
