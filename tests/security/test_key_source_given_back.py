@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests import baoserver
-from tests.conftest import ROOT
+from tests.conftest import ROOT, user
 from tests.keys.test_key_move import keyring_write, source_rows
 from tests.keys.test_transit_vaults import (
     HOST_WRITES,
@@ -30,7 +30,7 @@ from tests.keys.test_transit_vaults import (
 )
 from tests.security.test_transit_anchor import one_line, service, told, vault_id
 from tests.security.test_vault_head import unbound
-from tests.security.test_whole_file_rollback import copy_of, put_back
+from tests.security.test_whole_file_rollback import copy_of, file_seq, put_back
 from vault import chain, chainanchor, chainvault
 from vault.chaincheck import Tamper
 from vault.chainvault import VaultHead
@@ -423,6 +423,43 @@ def test_a_vault_opened_before_another_process_moved_its_keys_is_no_alarm(
     with pytest.raises(VaultBusy, match="open the vault again"):
         opened.history_verdict("s1")
     assert Vault.open(db).history_verdict("s1") is None
+
+
+@pytest.mark.parametrize("sid", ["s1", "fresh"], ids=["with-history", "new-session"])
+def test_a_session_open_across_a_key_move_and_a_rotation_is_told_to_open_the_vault_again(
+    key: str, tmp_path: Path, vault_db: Path, monkeypatch: pytest.MonkeyPatch, sid: str
+) -> None:
+    """Another process moves the keys to transit, then rotates: the session's key is
+    stale, and the source it loaded it through is left. Its write is told to open the
+    vault again, as a read is, and writes nothing; it is not sent to reload the key
+    through a keyring that holds no new version. Opened again, it writes."""
+    import asyncio
+
+    import vault
+    from vault.errors import VaultBusy
+
+    db, op = str(vault_db), operator_env(tmp_path)
+    assert cli_at(db, op, "init").returncode == 0
+    keyring_write(db, op, "s1", "t1")
+    session = vault.open_session(sid, db)
+    try:
+        assert len(asyncio.run(session.get_items())) == (sid == "s1")
+        assert cli_at(db, op, "key", "move", f"transit:{key}").returncode == 0
+        assert cli_at(db, op, "rotate").returncode == 0
+        before = file_seq(vault_db)
+        with pytest.raises(VaultBusy, match="open the vault again"):
+            asyncio.run(session.add_items([user("not written")]))
+        assert file_seq(vault_db) == before
+    finally:
+        session.close()
+    monkeypatch.setenv("VAULT_ADDR", op["VAULT_ADDR"])
+    monkeypatch.setenv("VAULT_TOKEN", op["VAULT_TOKEN"])
+    again = vault.open_session(sid, db)
+    try:
+        asyncio.run(again.add_items([user("written")]))
+        assert asyncio.run(again.get_items())[-1] == user("written")
+    finally:
+        again.close()
 
 
 def test_a_restore_over_a_source_whose_anchor_memvault_did_not_write_succeeds(

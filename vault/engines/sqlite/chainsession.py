@@ -48,6 +48,8 @@ def insert_items(
     if head is not None and head.kid != key.kid:
         if file_kid(conn) == key.kid:  # the session's key is the file's: the head was edited
             raise chainops.tampered(session_id, "unauthenticated", where)
+        if floor is not None:  # keys moved to another source first: open the vault again
+            vaulthead.refuse_behind(conn, key, floor, session_id, where)
         raise sqlite3.IntegrityError(GUARD_MESSAGE)  # every head moves with a rotation
     if head is None and chained(conn) and _has_rows(conn, session_id):
         # Rows with no head: the head was deleted. A new chain here would hide that.
