@@ -188,19 +188,19 @@ def move(
             raise chainops.tampered(session_id, Tamper.VAULT_MISMATCH, where)
         return None  # the upgrade's build sums every head when it ends (`start`)
     vh = VaultHead.decode(text)
-    if vh is not None and floor is not None:
+    source = None if vh is None else _sealed_for(conn, vh)
+    if source is not None and floor is not None:
         # Before the key id: a session opened through a source its keys have left (another
         # process's `key move`, then a rotation) is told to open the vault again
         # (VaultBusy), not sent to reload a key that source no longer holds.
-        _refuse_other_source(conn, floor, _sealed_for(conn, vh), session_id, where)
+        _refuse_other_source(conn, floor, source, session_id, where)
     if vh is not None and vh.kid != key.kid and file_kid(conn) != key.kid:
         # A rotation moved the vault head with every session's: the session's key is
         # stale, as the guard says of its items, and the session reloads it and retries.
         raise sqlite3.IntegrityError(GUARD_MESSAGE)
     try:
-        if vh is None:
+        if vh is None or source is None:
             raise ValueError("no vault head")
-        source = _sealed_for(conn, vh)
         moved = chainvault.moved(key, vh, session_id, before, after, source)  # authenticated
         if floor is not None and not floor.passes(vh.point()):
             raise chainops.tampered(session_id, Tamper.FILE_ROLLED_BACK, where)
